@@ -1,0 +1,114 @@
+"""Attaching to a Ray cluster, or starting a local one for the length of a job."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+# Quiet defaults, set before Ray starts so that its processes inherit them.
+QUIET_ENV = {
+    "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+    "RAY_DATA_DISABLE_PROGRESS_BARS": "1",
+    "RAY_DATA_LOG_LEVEL": "WARNING",
+    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+    "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
+    "PYTHONWARNINGS": "ignore::DeprecationWarning",
+}
+PROBE_TIMEOUT_S = 5.0
+
+
+class ClusterError(RuntimeError):
+    """A Ray cluster that cannot be reached or started."""
+
+
+@dataclass
+class RaySession:
+    address: str
+    started_here: bool
+    cpus: float
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    text = address.split("://", 1)[-1].rstrip("/")
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def probe(address: str) -> None:
+    """Fail fast on an address nobody listens at (ray.init would wait minutes)."""
+    if address == "auto":
+        return
+    target = _host_port(address)
+    if target is None:
+        raise ClusterError(f"--address '{address}' is not HOST:PORT (for example 127.0.0.1:6379)")
+    try:
+        with socket.create_connection(target, timeout=PROBE_TIMEOUT_S):
+            pass
+    except OSError as exc:
+        raise ClusterError(
+            f"no Ray cluster at --address '{address}' ({exc.strerror or exc}); "
+            "start one with `ray start --head` or omit --address to run locally"
+        ) from None
+
+
+def quiet_ray_logging(log_file: Path | None, verbose: bool) -> None:
+    """Send Ray's Python loggers to the run's log file instead of the terminal."""
+    for key, value in QUIET_ENV.items():
+        os.environ.setdefault(key, value)
+    if verbose or log_file is None:
+        return
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(log_file)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for name in ("ray", "ray.train", "ray.data", "ray.tune", "mlflow", "alembic"):
+        logger = logging.getLogger(name)
+        logger.handlers = [handler]
+        logger.propagate = False
+
+
+def local_cpus(wanted: float) -> int:
+    """Logical CPUs for a local Ray: enough for the workers plus Ray Data and the controller."""
+    return max(os.cpu_count() or 1, int(wanted + 0.999) + 2)
+
+
+@contextmanager
+def ray_session(
+    address: str | None, cpus_wanted: float, verbose: bool = False
+) -> Iterator[RaySession]:
+    """Use the Ray already initialised in this process, attach to `address`, or start one."""
+    import ray
+
+    if ray.is_initialized():
+        yield RaySession(
+            ray.get_runtime_context().gcs_address, False, ray.cluster_resources().get("CPU", 0)
+        )
+        return
+    common = {
+        "log_to_driver": verbose,
+        "logging_level": logging.INFO if verbose else logging.WARNING,
+    }
+    if address:
+        probe(address)
+        try:
+            ray.init(address=address, **common)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            raise ClusterError(f"cannot attach to Ray at '{address}': {exc}") from None
+        started = False
+    else:
+        ray.init(
+            address="local", num_cpus=local_cpus(cpus_wanted), include_dashboard=False, **common
+        )
+        started = True
+    try:
+        yield RaySession(
+            ray.get_runtime_context().gcs_address, started, ray.cluster_resources().get("CPU", 0)
+        )
+    finally:
+        ray.shutdown()

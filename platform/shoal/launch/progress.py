@@ -1,0 +1,111 @@
+"""What a person sees in the terminal during and after `shoal run`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from shoal.launch.run import RunResult
+
+
+def _fmt(value: float) -> str:
+    return f"{value:.4g}" if abs(value) < 1000 else f"{value:,.0f}"
+
+
+class TerminalProgress:
+    """A live bar (step/total, loss, samples/s, ETA) and one line per notable event."""
+
+    def __init__(self, console: Console):
+        self.console = console
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"),
+            TextColumn("{task.fields[speed]}"),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            console=console,
+            transient=False,
+        )
+        self.task = self.progress.add_task("starting", total=None, loss="-", speed="")
+
+    def __enter__(self) -> TerminalProgress:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.progress.stop()
+
+    def on_progress(self, step: int, total: int, metrics: dict[str, float]) -> None:
+        loss = _fmt(metrics["train/loss"]) if "train/loss" in metrics else "-"
+        speed = (
+            f"{_fmt(metrics['train/samples_per_s'])} samples/s"
+            if "train/samples_per_s" in metrics
+            else ""
+        )
+        if "val/accuracy" in metrics:
+            speed += f"  val acc {metrics['val/accuracy']:.3f}"
+        elif "val/loss" in metrics:
+            speed += f"  val loss {_fmt(metrics['val/loss'])}"
+        self.progress.update(
+            self.task,
+            description="training",
+            completed=step,
+            total=total or None,
+            loss=loss,
+            speed=speed,
+        )
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        kind = event["kind"]
+        if kind == "attempt_started":
+            restored = event.get("restored_step")
+            where = f"resuming from step {restored}" if restored is not None else "from scratch"
+            workers, device = event["world_size"], event["device"]
+            self.console.print(
+                f"[cyan]attempt[/] on {workers} worker(s) ({device}), {where}; "
+                f"{event['parameters']:,} parameters, accumulation {event['accumulation']}"
+            )
+        elif kind == "failure":
+            ranks = ", ".join(
+                f"rank {r}: {e.splitlines()[0][:160]}" for r, e in event["errors"].items()
+            )
+            self.console.print(
+                f"[yellow]worker failure[/] {ranks}; Ray Train restarts from the latest checkpoint"
+            )
+        elif kind == "fatal":
+            self.console.print(f"[red]fatal[/] {event['reason']}")
+
+
+def browse_command(uri: str) -> str:
+    cwd_db = "sqlite:///" + str(Path("mlflow.db").resolve())
+    shown = "sqlite:///mlflow.db" if uri == cwd_db else uri
+    return f"mlflow ui --backend-store-uri {shown}"
+
+
+def summary_table(result: RunResult) -> Table:
+    colour = {"FINISHED": "green", "FAILED": "red", "KILLED": "yellow"}[result.status]
+    table = Table(
+        title=f"shoal run {result.run_name}: [{colour}]{result.status}[/]", show_header=False
+    )
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("steps", f"{result.step} / {result.total_steps}")
+    for key, value in sorted(result.metrics.items()):
+        table.add_row(key, _fmt(value))
+    if result.resumed_from is not None:
+        table.add_row("resumed from step", str(result.resumed_from))
+    table.add_row("restarts", str(result.restarts))
+    if result.reason:
+        table.add_row("reason", result.reason)
+    table.add_row("checkpoint", result.checkpoint or "-")
+    table.add_row("run directory", result.run_dir)
+    table.add_row("MLflow experiment", result.experiment)
+    table.add_row("MLflow run id", result.run_id)
+    table.add_row("browse", browse_command(result.tracking_uri))
+    return table

@@ -1,0 +1,246 @@
+"""`shoal run`: a validated workload -> a Ray Train job, tracked in MLflow."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import yaml
+
+from shoal.launch.cluster import QUIET_ENV, ClusterError, quiet_ray_logging, ray_session
+from shoal.spec import LoadedWorkload
+from shoal.tracking import Observer, Recorder, open_run, resolve_uri
+from shoal.tracking.mlflow_run import git_commit
+
+log = logging.getLogger("shoal")
+REPORT_INTERVAL_S = 3.0
+
+
+@dataclass
+class RunOptions:
+    address: str | None = None
+    run_name: str | None = None
+    verbose: bool = False
+    report_interval_s: float = REPORT_INTERVAL_S
+
+
+@dataclass
+class RunResult:
+    status: str  # FINISHED | FAILED | KILLED (MLflow's words)
+    run_name: str
+    run_dir: str
+    run_id: str
+    experiment: str
+    tracking_uri: str
+    step: int = 0
+    total_steps: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+    checkpoint: str | None = None
+    restarts: int = 0
+    resumed_from: int | None = None
+    reason: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "FINISHED"
+
+
+class Drainer(threading.Thread):
+    """Moves messages from the controller's queue into the Recorder, on the driver."""
+
+    def __init__(self, queue: Any, recorder: Recorder):
+        super().__init__(name="shoal-drainer", daemon=True)
+        self.queue, self.recorder = queue, recorder
+        self.stopping = threading.Event()
+        self.errors = 0
+
+    def run(self) -> None:
+        from ray.util.queue import Empty
+
+        while not self.stopping.is_set():
+            try:
+                message = self.queue.get(block=True, timeout=0.5)
+            except Empty:
+                continue
+            except Exception:  # the queue actor went away with the cluster
+                log.exception("lost the report queue")
+                return
+            self._handle(message)
+
+    def _handle(self, message: dict[str, Any]) -> None:
+        try:
+            self.recorder.handle(message)
+        except Exception:  # tracking trouble must not stop training
+            self.errors += 1
+            log.exception("could not record a report in MLflow")
+
+    def finish(self) -> None:
+        self.stopping.set()
+        self.join()
+        try:
+            remaining = self.queue.size()
+            for message in self.queue.get_nowait_batch(remaining) if remaining else []:
+                self._handle(message)
+        except Exception:
+            log.exception("could not drain the last reports")
+
+
+def default_run_name(workload_name: str) -> str:
+    return f"{workload_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def count_rows(files: list[str]) -> int | None:
+    if any("://" in f for f in files):
+        return None
+    return sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+
+
+def _threads_per_worker(scaling: Any) -> int:
+    if scaling.threads_per_worker:
+        return scaling.threads_per_worker
+    return max(1, (os.cpu_count() or 1) // scaling.worker_range()[1])
+
+
+def _worker_config(loaded: LoadedWorkload, run_dir: Path, options: RunOptions) -> dict[str, Any]:
+    assert loaded.data is not None
+    return {
+        "workload": loaded.workload.resolved(),
+        "data": loaded.data.as_config(),
+        "train_rows": count_rows(loaded.data.train),
+        "run_dir": str(run_dir),
+        "sys_path": [os.getcwd()],
+        "report_interval_s": options.report_interval_s,
+        "threads_per_worker": _threads_per_worker(loaded.workload.scaling),
+    }
+
+
+def _trainer(
+    loaded: LoadedWorkload, run_name: str, storage: Path, config: dict, queue: Any, local: bool
+):
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    from shoal.data import build_datasets
+    from shoal.tracking.bridge import ForwardingCallback
+    from shoal.worker.loop import train
+
+    w = loaded.workload
+    low, high = w.scaling.worker_range()
+    resources = {"CPU": w.scaling.cpus_per_worker}
+    if w.scaling.gpus_per_worker:
+        resources["GPU"] = w.scaling.gpus_per_worker
+    run_config = ray.train.RunConfig(
+        name=run_name,
+        storage_path=str(storage),
+        failure_config=ray.train.FailureConfig(max_failures=w.failure.max_restarts),
+        checkpoint_config=ray.train.CheckpointConfig(num_to_keep=w.checkpoint.keep),
+        callbacks=[ForwardingCallback(queue)],
+        worker_runtime_env=None if local else {"env_vars": dict(QUIET_ENV)},
+    )
+    return TorchTrainer(
+        train,
+        train_loop_config=config,
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=low if low == high else (low, high),
+            use_gpu=bool(w.scaling.gpus_per_worker),
+            resources_per_worker=resources,
+        ),
+        run_config=run_config,
+        datasets=build_datasets(loaded.data),
+    )
+
+
+def _check_resources(loaded: LoadedWorkload, session: Any) -> None:
+    import ray
+
+    gpus = loaded.workload.scaling.gpus_per_worker
+    if gpus and session.started_here and not ray.cluster_resources().get("GPU"):
+        raise ClusterError(
+            f"scaling.gpus_per_worker is {gpus} but this machine has no GPU visible to Ray; "
+            "set scaling.gpus_per_worker: 0 to train on CPU"
+        )
+
+
+def failure_reason(exc: BaseException) -> str:
+    failures = getattr(exc, "worker_failures", None)
+    if failures:
+        rank, error = sorted(failures.items())[0]
+        first = str(error).strip().splitlines()
+        return f"worker rank {rank}: {type(error).__name__}: {first[-1] if first else ''}"
+    lines = str(exc).strip().splitlines()
+    return lines[-1] if lines else type(exc).__name__
+
+
+def run(
+    loaded: LoadedWorkload, options: RunOptions | None = None, observer: Observer | None = None
+) -> RunResult:
+    """Train a workload to completion (or failure); resumes a run name that has checkpoints."""
+    from ray.train import TrainingFailedError
+    from ray.util.queue import Queue
+
+    options = options or RunOptions()
+    w = loaded.workload
+    run_name = options.run_name or default_run_name(w.name)
+    storage = Path(w.checkpoint.storage).resolve()
+    run_dir = storage / run_name
+    quiet_ray_logging(run_dir / "logs" / "driver.log", options.verbose)
+    experiment = w.tracking.experiment or w.name
+    uri = resolve_uri(w.tracking.uri)
+    cpus = w.scaling.worker_range()[1] * w.scaling.cpus_per_worker
+    with ray_session(options.address, cpus, options.verbose) as session:
+        _check_resources(loaded, session)
+        tracked = open_run(
+            uri,
+            experiment,
+            run_name,
+            w.resolved(),
+            yaml.safe_dump(w.resolved(), sort_keys=False),
+            tags={
+                "shoal.workload": w.name,
+                "shoal.run_dir": str(run_dir),
+                "shoal.git_commit": git_commit() or "",
+                "shoal.ray_address": session.address,
+            },
+        )
+        recorder = Recorder(tracked, observer)
+        result = RunResult("FAILED", run_name, str(run_dir), tracked.run_id, experiment, uri)
+        queue = Queue(actor_options={"num_cpus": 0})
+        drainer = Drainer(queue, recorder)
+        try:
+            trainer = _trainer(
+                loaded,
+                run_name,
+                storage,
+                _worker_config(loaded, run_dir, options),
+                queue,
+                session.started_here,
+            )
+            drainer.start()
+            trainer.fit()
+            result.status = "FAILED" if recorder.state.fatal else "FINISHED"
+            result.reason = recorder.state.fatal
+        except TrainingFailedError as exc:
+            result.reason = failure_reason(exc)
+        except KeyboardInterrupt:
+            result.status, result.reason = "KILLED", "interrupted (Ctrl-C)"
+        finally:
+            if drainer.is_alive():
+                drainer.finish()
+            _fill_result(result, recorder)
+            recorder.finish(result.status)
+    return result
+
+
+def _fill_result(result: RunResult, recorder: Recorder) -> None:
+    state = recorder.state
+    result.step, result.total_steps, result.restarts = state.step, state.total_steps, state.restarts
+    result.metrics = {**{k: v for k, v in state.latest.items() if k == "train/loss"}, **state.evals}
+    result.checkpoint = state.checkpoints[-1] if state.checkpoints else None
+    starts = [e for e in state.events if e["kind"] == "attempt_started"]
+    result.resumed_from = starts[0].get("restored_step") if starts else None

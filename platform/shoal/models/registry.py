@@ -1,0 +1,70 @@
+"""Model families by name, and user models by `package.module:Class`."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any
+
+from torch import nn
+
+BUILTIN: dict[str, str] = {
+    "cnn": "shoal.models.cnn:ConvNet",
+    "mlp": "shoal.models.mlp:MLP",
+    "gpt": "shoal.models.gpt:GPT",
+}
+TASKS = ("classify", "lm")
+
+
+class ModelError(ValueError):
+    """A model that cannot be found or built from the given arguments."""
+
+
+def import_target(target: str) -> type[nn.Module]:
+    module_name, _, attr = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ModelError(f"cannot import module '{module_name}' ({exc})") from None
+    cls = getattr(module, attr, None)
+    if cls is None:
+        raise ModelError(f"module '{module_name}' has no attribute '{attr}'")
+    if not (inspect.isclass(cls) and issubclass(cls, nn.Module)):
+        raise ModelError(f"'{target}' is not a torch.nn.Module subclass")
+    return cls
+
+
+def model_class(family: str | None, target: str | None) -> type[nn.Module]:
+    if family is not None:
+        if family not in BUILTIN:
+            raise ModelError(f"unknown family '{family}' (built-in: {', '.join(BUILTIN)})")
+        return import_target(BUILTIN[family])
+    assert target is not None
+    return import_target(target)
+
+
+def model_task(cls: type[nn.Module], declared: str | None) -> str:
+    """The task a model trains on: the spec's `model.task`, else the class's `task`."""
+    task = declared or getattr(cls, "task", None) or "classify"
+    if task not in TASKS:
+        raise ModelError(f"task must be one of {TASKS} (got {task!r})")
+    return task
+
+
+def check_args(cls: type[nn.Module], args: dict[str, Any]) -> None:
+    try:
+        inspect.signature(cls).bind(**args)
+    except TypeError as exc:
+        raise ModelError(f"{cls.__name__} does not accept these args: {exc}") from None
+
+
+def build_model(model_cfg: dict[str, Any]) -> nn.Module:
+    cls = model_class(model_cfg.get("family"), model_cfg.get("target"))
+    try:
+        return cls(**model_cfg.get("args", {}))
+    except (TypeError, ValueError) as exc:
+        raise ModelError(f"{cls.__name__}({model_cfg.get('args', {})}) failed: {exc}") from None
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

@@ -1,0 +1,146 @@
+"""The workload schema: what a user may write in a workload YAML.
+
+Key names are the user-facing contract (see ARCHITECTURE.md, "The shape of a
+workload"). Sections reject unknown keys; cross-field rules that need more than
+one section live in `checks.py`, so that each error can name its own path.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class ModelSpec(Section):
+    family: str | None = None
+    target: str | None = None
+    args: dict[str, Any] = Field(default_factory=dict)
+    task: Literal["classify", "lm"] | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSpec:
+        if (self.family is None) == (self.target is None):
+            raise ValueError("give exactly one of 'family' (built-in) or 'target' (module:Class)")
+        if self.target is not None and ":" not in self.target:
+            raise ValueError(f"target must look like 'package.module:Class' (got {self.target!r})")
+        return self
+
+
+class DatasetPath(Section):
+    path: str
+
+
+class DataSpec(Section):
+    builtin: Literal["digits", "pytext"] | None = None
+    train: DatasetPath | None = None
+    val: DatasetPath | None = None
+    batch_size: PositiveInt = 32
+    cache: Literal["auto"] | bool = "auto"  # keep in Ray's object store (auto: under 512 MB)
+    shuffle_buffer: int = Field(1024, ge=0)  # rows; 0 reads in order
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DataSpec:
+        if (self.builtin is None) == (self.train is None):
+            raise ValueError("give exactly one of 'builtin' or 'train: {path: ...}'")
+        if self.builtin is not None and self.val is not None:
+            raise ValueError("'val' goes with 'train'; a builtin corpus brings its own split")
+        return self
+
+
+class OptimizerSpec(Section):
+    name: Literal["adamw", "sgd"] = "adamw"
+    lr: PositiveFloat = 1.0e-3
+    weight_decay: float = Field(0.0, ge=0)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    betas: tuple[float, float] = (0.9, 0.999)
+
+
+class ScheduleSpec(Section):
+    warmup_steps: int = Field(0, ge=0)
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+
+
+class TrainSpec(Section):
+    max_steps: PositiveInt | None = None
+    epochs: PositiveInt | None = None
+    global_batch_size: PositiveInt | None = None
+    precision: Literal["fp32", "bf16"] = "fp32"
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
+    clip_grad_norm: PositiveFloat | None = None
+    eval_every: PositiveInt | None = None
+    eval_batches: PositiveInt | None = None  # per worker; None evaluates the whole val set
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _one_length(self) -> TrainSpec:
+        if (self.max_steps is None) == (self.epochs is None):
+            raise ValueError("give exactly one of 'max_steps' or 'epochs'")
+        return self
+
+
+class ParallelSpec(Section):
+    strategy: Literal["ddp"] = "ddp"
+
+
+class ElasticWorkers(Section):
+    min: PositiveInt
+    max: PositiveInt
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ElasticWorkers:
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) must be <= max ({self.max})")
+        return self
+
+
+class ScalingSpec(Section):
+    workers: PositiveInt | ElasticWorkers = 1
+    gpus_per_worker: float = Field(0, ge=0)
+    cpus_per_worker: PositiveFloat = 1
+    threads_per_worker: PositiveInt | None = None
+
+    def worker_range(self) -> tuple[int, int]:
+        if isinstance(self.workers, ElasticWorkers):
+            return self.workers.min, self.workers.max
+        return self.workers, self.workers
+
+
+class CheckpointSpec(Section):
+    every_steps: PositiveInt | None = None
+    keep: PositiveInt = 3
+    async_: Literal[False] = Field(False, alias="async")
+    storage: str = "./shoal_runs"
+
+
+class FailureSpec(Section):
+    max_restarts: int = Field(3, ge=0)
+    hang_timeout_s: PositiveFloat = 600
+    on_nan: Literal["fail"] = "fail"
+
+
+class TrackingSpec(Section):
+    experiment: str | None = None
+    uri: str | None = None
+
+
+class Workload(Section):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=100)
+    model: ModelSpec
+    data: DataSpec
+    train: TrainSpec
+    parallel: ParallelSpec = Field(default_factory=ParallelSpec)
+    scaling: ScalingSpec = Field(default_factory=ScalingSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    failure: FailureSpec = Field(default_factory=FailureSpec)
+    tracking: TrackingSpec = Field(default_factory=TrackingSpec)
+
+    def resolved(self) -> dict[str, Any]:
+        """The spec as plain data, every default filled in, keys as the user writes them."""
+        return self.model_dump(mode="json", by_alias=True)

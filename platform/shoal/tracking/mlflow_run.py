@@ -1,0 +1,157 @@
+"""One MLflow run per shoal job, opened by the driver and re-opened on resume.
+
+A job is identified by its run name (also Ray Train's run name): running the
+same workload with the same run name finds the MLflow run tagged with it and
+continues logging there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+RUN_NAME_TAG = "shoal.run_name"
+PARAM_LIMIT = 6000
+
+
+class TrackingError(RuntimeError):
+    """The tracking store cannot be reached or written."""
+
+
+def resolve_uri(spec_uri: str | None) -> str:
+    """The spec's `tracking.uri`, else $MLFLOW_TRACKING_URI, else ./mlflow.db (absolute)."""
+    uri = spec_uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        uri = "sqlite:///" + str(Path(uri.removeprefix("sqlite:///")).resolve())
+    return uri
+
+
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    flat: dict[str, str] = {}
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, f"{path}."))
+        else:
+            text = json.dumps(value) if isinstance(value, (dict, list, tuple)) else str(value)
+            flat[path] = text[:PARAM_LIMIT]
+    return flat
+
+
+def git_commit(cwd: str | None = None) -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def version_tags() -> dict[str, str]:
+    import mlflow
+    import ray
+    import torch
+
+    import shoal
+
+    return {
+        "shoal.version": shoal.__version__,
+        "shoal.torch_version": torch.__version__,
+        "shoal.ray_version": ray.__version__,
+        "shoal.mlflow_version": mlflow.__version__,
+        "shoal.python_version": platform.python_version(),
+    }
+
+
+@dataclass
+class TrackedRun:
+    client: MlflowClient
+    run_id: str
+    experiment_id: str
+    resumed: bool
+    logged_until: int = 0  # highest step already logged for train/loss
+    uri: str = ""
+    params_changed: list[str] = field(default_factory=list)
+
+    def log_metrics(self, rows: list[tuple[str, float, int]]) -> None:
+        now = int(time.time() * 1000)
+        metrics = [Metric(key, float(value), now, step) for key, value, step in rows]
+        for start in range(0, len(metrics), 1000):
+            self.client.log_batch(self.run_id, metrics=metrics[start : start + 1000])
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def log_json(self, data: Any, name: str) -> None:
+        self.client.log_text(self.run_id, json.dumps(data, indent=2, default=str), name)
+
+    def finish(self, status: str) -> None:
+        self.client.set_terminated(self.run_id, status)
+
+
+def _find_run(client: MlflowClient, experiment_id: str, run_name: str) -> str | None:
+    runs = client.search_runs(
+        [experiment_id], filter_string=f"tags.`{RUN_NAME_TAG}` = '{run_name}'", max_results=1
+    )
+    return runs[0].info.run_id if runs else None
+
+
+def _log_params(run: TrackedRun, params: dict[str, str]) -> None:
+    existing = run.client.get_run(run.run_id).data.params if run.resumed else {}
+    new = [Param(k, v) for k, v in params.items() if k not in existing]
+    run.params_changed = [k for k, v in params.items() if k in existing and existing[k] != v]
+    for start in range(0, len(new), 100):
+        run.client.log_batch(run.run_id, params=new[start : start + 100])
+
+
+def open_run(
+    uri: str,
+    experiment: str,
+    run_name: str,
+    resolved_spec: dict[str, Any],
+    spec_yaml: str,
+    tags: dict[str, Any],
+) -> TrackedRun:
+    """Create the job's MLflow run, or re-open the one that has this run name."""
+    client = MlflowClient(tracking_uri=uri)
+    try:
+        found = client.get_experiment_by_name(experiment)
+        experiment_id = found.experiment_id if found else client.create_experiment(experiment)
+        run_id = _find_run(client, experiment_id, run_name)
+        resumed = run_id is not None
+        if run_id is None:
+            run_id = client.create_run(
+                experiment_id, run_name=run_name, tags={RUN_NAME_TAG: run_name}
+            ).info.run_id
+        else:
+            client.update_run(run_id, status="RUNNING")
+        run = TrackedRun(client, run_id, experiment_id, resumed, uri=uri)
+        if resumed:
+            history = client.get_metric_history(run_id, "train/loss")
+            run.logged_until = max((m.step for m in history), default=0)
+        _log_params(run, flatten(resolved_spec))
+        run.set_tags({**version_tags(), **tags})
+        if run.params_changed:
+            run.set_tags({"shoal.params_changed_on_resume": ",".join(run.params_changed)})
+        client.log_text(run_id, spec_yaml, "workload.yaml")
+    except MlflowException as exc:
+        raise TrackingError(f"MLflow at '{uri}': {exc.message}") from None
+    except OSError as exc:
+        raise TrackingError(f"MLflow at '{uri}': {exc}") from None
+    return run

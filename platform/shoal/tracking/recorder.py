@@ -1,0 +1,121 @@
+"""Turns worker reports into MLflow records (and progress for the terminal).
+
+Runs on the driver. Step metrics are logged at their step number exactly once:
+after a restart, steps up to the highest one already logged are replayed by the
+workers but not logged again.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from shoal.tracking.mlflow_run import TrackedRun
+
+
+class Observer(Protocol):
+    def on_progress(self, step: int, total: int, metrics: dict[str, float]) -> None: ...
+    def on_event(self, event: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class RunState:
+    step: int = 0
+    total_steps: int = 0
+    world_size: int = 0
+    attempts: int = 0
+    restarts: int = 0
+    latest: dict[str, float] = field(default_factory=dict)
+    evals: dict[str, float] = field(default_factory=dict)
+    checkpoints: list[str] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    fatal: str | None = None
+    finished: bool = False
+
+
+class Recorder:
+    def __init__(self, run: TrackedRun, observer: Observer | None = None):
+        self.run, self.observer = run, observer
+        self.state = RunState()
+        self.logged_until = run.logged_until
+        self.logged_evals: set[int] = set()
+        if run.resumed:
+            history = run.client.get_metric_history(run.run_id, "val/loss")
+            self.logged_evals = {m.step for m in history}
+
+    def handle(self, message: dict[str, Any]) -> None:
+        if message["type"] == "failure":
+            self._event({"kind": "failure", "time": message["time"], "errors": message["errors"]})
+            return
+        summary = message["summary"]
+        self.state.step = summary.get("step", self.state.step)
+        self.state.total_steps = summary.get("total_steps", self.state.total_steps)
+        self.state.world_size = summary.get("world_size", self.state.world_size)
+        for event in message["events"]:
+            self._event(event)
+        self._log_steps(message["steps"])
+        if message["checkpoint"]:
+            self._checkpoint(message["checkpoint"], summary)
+        if summary.get("fatal"):
+            self.state.fatal = summary["fatal"]
+        if summary.get("final"):
+            self.state.finished = True
+        if self.observer:
+            self.observer.on_progress(
+                self.state.step, self.state.total_steps, {**self.state.latest, **self.state.evals}
+            )
+
+    def _log_steps(self, steps: list[dict[str, float]]) -> None:
+        rows = []
+        for record in steps:
+            step = int(record["step"])
+            self.state.latest = {k: v for k, v in record.items() if k != "step"}
+            if step <= self.logged_until:
+                continue
+            rows += [(key, value, step) for key, value in record.items() if key != "step"]
+            self.logged_until = step
+        if rows:
+            self.run.log_metrics(rows)
+
+    def _event(self, event: dict[str, Any]) -> None:
+        kind = event["kind"]
+        if kind == "eval":
+            step = event["step"]
+            values = {k: v for k, v in event.items() if k.startswith("val/")}
+            self.state.evals = values
+            if step not in self.logged_evals:
+                self.run.log_metrics([(k, v, step) for k, v in values.items()])
+                self.logged_evals.add(step)
+            return
+        self.state.events.append(event)
+        if kind == "attempt_started":
+            self._attempt(event)
+        self.run.log_json(self.state.events, "events.json")
+        if self.observer:
+            self.observer.on_event(event)
+
+    def _attempt(self, event: dict[str, Any]) -> None:
+        self.state.attempts += 1
+        if self.state.attempts > 1:
+            self.state.restarts += 1
+        tags = {
+            "shoal.attempts": self.state.attempts,
+            "shoal.restarts": self.state.restarts,
+            "shoal.world_size": event["world_size"],
+            "shoal.parameters": event.get("parameters"),
+            "shoal.device": event.get("device"),
+        }
+        self.run.set_tags(tags)
+        restored = event.get("restored_step")
+        self.run.log_metrics([("attempt", float(self.state.attempts), restored or 0)])
+
+    def _checkpoint(self, path: str, summary: dict[str, Any]) -> None:
+        self.state.checkpoints.append(path)
+        self.run.set_tags(
+            {"shoal.latest_checkpoint": path, "shoal.latest_checkpoint_step": summary.get("step")}
+        )
+
+    def finish(self, status: str) -> None:
+        self.run.set_tags({"shoal.ended": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        self.run.finish(status)

@@ -1,0 +1,1 @@
+"""Code that runs inside each Ray Train worker. Never imports driver modules."""

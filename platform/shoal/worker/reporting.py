@@ -1,0 +1,61 @@
+"""Getting numbers from the workers to the driver without slowing training.
+
+`ray.train.report` is a barrier across ranks and is polled every ~2 s, so
+workers buffer one record per optimizer step and report in batches: when the
+report interval has passed on rank 0 (a decision shared with every rank through
+the per-step all-reduce), at evaluations, at checkpoints and at the end.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class StepStats:
+    """All-reduce of [local mean loss, report-due flag]: one small collective per step."""
+
+    def __init__(self, world_size: int, interval_s: float, is_rank0: bool):
+        self.world_size, self.interval_s, self.is_rank0 = world_size, interval_s, is_rank0
+        self.last_report = time.monotonic()
+
+    def reduce(self, local_loss: float) -> tuple[float, bool]:
+        due = self.is_rank0 and time.monotonic() - self.last_report >= self.interval_s
+        values = torch.tensor([local_loss, 1.0 if due else 0.0], dtype=torch.float64)
+        if self.world_size > 1:
+            dist.all_reduce(values)
+        return values[0].item() / self.world_size, values[1].item() > 0
+
+    def reported(self) -> None:
+        self.last_report = time.monotonic()
+
+
+class Reporter:
+    """Buffers per-step records and sends them (with events) through ray.train.report."""
+
+    def __init__(self, stats: StepStats):
+        self.stats = stats
+        self.steps: list[dict[str, float]] = []
+        self.events: list[dict[str, Any]] = []
+
+    def record_step(self, record: dict[str, float]) -> None:
+        self.steps.append(record)
+
+    def event(self, kind: str, **fields: Any) -> None:
+        self.events.append({"kind": kind, "time": time.time(), **fields})
+
+    def send(
+        self,
+        summary: dict[str, Any],
+        checkpoint: Any = None,
+        checkpoint_dir_name: str | None = None,
+    ) -> None:
+        import ray.train
+
+        metrics = {**summary, "shoal_steps": self.steps, "shoal_events": self.events}
+        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=checkpoint_dir_name)
+        self.steps, self.events = [], []
+        self.stats.reported()

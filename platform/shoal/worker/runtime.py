@@ -1,0 +1,62 @@
+"""Per-process setup of a training worker: threads, device, seeds, watchdog, pid file."""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import random
+import socket
+import time
+from pathlib import Path
+from typing import IO
+
+import numpy as np
+import torch
+
+
+def pick_device(local_rank: int) -> torch.device:
+    """CUDA when this process can see a GPU, else CPU; never a user flag to get wrong."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def write_pid_file(run_dir: str, rank: int, attempt_id: str) -> None:
+    """Who is rank N right now: lets people (and fault tests) find a worker's process."""
+    directory = Path(run_dir) / "workers"
+    directory.mkdir(parents=True, exist_ok=True)
+    record = {"pid": os.getpid(), "rank": rank, "host": socket.gethostname(), "attempt": attempt_id}
+    tmp = directory / f".rank{rank}.json.tmp"
+    tmp.write_text(json.dumps(record))
+    tmp.replace(directory / f"rank{rank}.json")
+
+
+class HangWatchdog:
+    """If no step completes within `timeout_s`, dump every thread's stack and exit.
+
+    The exit fails the attempt, so Ray Train restarts the workers from the latest
+    checkpoint instead of leaving a rank blocked in a collective forever.
+    """
+
+    def __init__(self, timeout_s: float, run_dir: str, rank: int):
+        self.timeout_s = timeout_s
+        log_dir = Path(run_dir) / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self._file: IO[str] = open(log_dir / f"hang-rank{rank}.txt", "a")  # noqa: SIM115 (lives with the process)
+
+    def arm(self) -> None:
+        self._file.write(f"# armed {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        self._file.flush()
+        faulthandler.dump_traceback_later(self.timeout_s, exit=True, file=self._file)
+
+    def disarm(self) -> None:
+        faulthandler.cancel_dump_traceback_later()

@@ -1,0 +1,61 @@
+"""Loss and evaluation for each task: `classify` (x -> y) and `lm` (next byte)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+def batch_size_of(batch: dict[str, torch.Tensor]) -> int:
+    return len(next(iter(batch.values())))
+
+
+def forward_loss(
+    model: nn.Module, batch: dict[str, torch.Tensor], task: str, device: torch.device
+) -> tuple[torch.Tensor, int]:
+    """Mean loss over the batch, and the number of correct predictions (classify only)."""
+    if task == "classify":
+        x = batch["x"].to(device, dtype=torch.float32, non_blocking=True)
+        y = batch["y"].to(device, dtype=torch.long, non_blocking=True)
+        logits = model(x)
+        correct = int((logits.argmax(dim=-1) == y).sum())
+        return F.cross_entropy(logits.float(), y), correct
+    tokens = batch["tokens"].to(device, non_blocking=True).long()
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()), 0
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    shard: Any,
+    task: str,
+    batch_size: int,
+    device: torch.device,
+    world_size: int,
+    max_batches: int | None = None,
+) -> dict[str, float]:
+    """Loss (and accuracy) over this rank's val shard, summed over every rank."""
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64)  # loss x n, correct, n
+    for index, batch in enumerate(shard.iter_torch_batches(batch_size=batch_size)):
+        if max_batches is not None and index >= max_batches:
+            break
+        loss, correct = forward_loss(model, batch, task, device)
+        n = batch_size_of(batch)
+        totals += torch.tensor([loss.item() * n, correct, n], dtype=torch.float64)
+    if world_size > 1:
+        dist.all_reduce(totals)
+    model.train(was_training)
+    loss_sum, correct, count = totals.tolist()
+    if count == 0:
+        return {}
+    results = {"val/loss": loss_sum / count}
+    if task == "classify":
+        results["val/accuracy"] = correct / count
+    return results
