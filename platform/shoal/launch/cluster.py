@@ -67,9 +67,11 @@ def quiet_ray_logging(log_file: Path | None, verbose: bool) -> None:
     log_file.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(log_file)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setLevel(logging.INFO)
     for name in ("ray", "ray.train", "ray.data", "ray.tune", "mlflow", "alembic"):
         logger = logging.getLogger(name)
         logger.handlers = [handler]
+        logger.setLevel(logging.INFO)
         logger.propagate = False
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -89,6 +90,43 @@ class Drainer(threading.Thread):
                 self._handle(message)
         except Exception:
             log.exception("could not drain the last reports")
+
+
+def fit_interruptibly(trainer: Any) -> None:
+    """`trainer.fit()` in a helper thread, so that Ctrl-C and SIGTERM reach shoal.
+
+    Called on the main thread, Ray Train installs its own SIGINT handler, which
+    aborts the run and exits the process before shoal can record it as KILLED.
+    """
+    outcome: dict[str, BaseException] = {}
+
+    def target() -> None:
+        try:
+            trainer.fit()
+        except BaseException as exc:  # handed to the main thread below
+            outcome["error"] = exc
+
+    def on_signal(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is not threading.main_thread():
+        trainer.fit()  # signals belong to whoever owns the main thread
+        return
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        fitting = threading.Thread(target=target, name="shoal-fit", daemon=True)
+        fitting.start()
+        while fitting.is_alive():
+            fitting.join(timeout=0.5)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if "error" in outcome:
+        raise outcome["error"]
+
+
+def has_checkpoints(run_dir: Path) -> bool:
+    return any(run_dir.glob("checkpoint-*"))
 
 
 def default_run_name(workload_name: str) -> str:
@@ -195,18 +233,19 @@ def run(
     cpus = w.scaling.worker_range()[1] * w.scaling.cpus_per_worker
     with ray_session(options.address, cpus, options.verbose) as session:
         _check_resources(loaded, session)
+        tags = {"shoal.workload": w.name, "shoal.ray_address": session.address}
+        if commit := git_commit():
+            tags["shoal.git_commit"] = commit
+        resolved = w.resolved()
         tracked = open_run(
             uri,
             experiment,
             run_name,
-            w.resolved(),
-            yaml.safe_dump(w.resolved(), sort_keys=False),
-            tags={
-                "shoal.workload": w.name,
-                "shoal.run_dir": str(run_dir),
-                "shoal.git_commit": git_commit() or "",
-                "shoal.ray_address": session.address,
-            },
+            run_dir=str(run_dir),
+            resume=has_checkpoints(run_dir),
+            resolved_spec=resolved,
+            spec_yaml=yaml.safe_dump(resolved, sort_keys=False),
+            tags=tags,
         )
         recorder = Recorder(tracked, observer)
         result = RunResult("FAILED", run_name, str(run_dir), tracked.run_id, experiment, uri)
@@ -222,7 +261,7 @@ def run(
                 session.started_here,
             )
             drainer.start()
-            trainer.fit()
+            fit_interruptibly(trainer)
             result.status = "FAILED" if recorder.state.fatal else "FINISHED"
             result.reason = recorder.state.fatal
         except TrainingFailedError as exc:

@@ -170,7 +170,7 @@ def _describe(error: dict[str, Any]) -> str:
     }
     if kind in comparisons:
         bound = next(iter(ctx.values()))
-        return f"must be {comparisons[kind]} {bound} (got {got!r})"
+        return f"must be {comparisons[kind]} {bound:g} (got {got!r})"
     if kind == "literal_error":
         return f"must be one of {ctx.get('expected')} (got {got!r})"
     if kind in ("int_parsing", "int_type", "int_from_float"):

@@ -21,6 +21,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 RUN_NAME_TAG = "shoal.run_name"
+RUN_DIR_TAG = "shoal.run_dir"
 PARAM_LIMIT = 6000
 
 
@@ -105,11 +106,18 @@ class TrackedRun:
         self.client.set_terminated(self.run_id, status)
 
 
-def _find_run(client: MlflowClient, experiment_id: str, run_name: str) -> str | None:
-    runs = client.search_runs(
-        [experiment_id], filter_string=f"tags.`{RUN_NAME_TAG}` = '{run_name}'", max_results=1
+def _find_run(client: MlflowClient, experiment_id: str, run_name: str, run_dir: str) -> str | None:
+    def quoted(text: str) -> str:
+        return text.replace("'", "\\'")
+
+    found = client.search_runs(
+        [experiment_id],
+        filter_string=f"tags.`{RUN_NAME_TAG}` = '{quoted(run_name)}' "
+        f"and tags.`{RUN_DIR_TAG}` = '{quoted(run_dir)}'",
+        order_by=["attributes.start_time DESC"],
+        max_results=1,
     )
-    return runs[0].info.run_id if runs else None
+    return found[0].info.run_id if found else None
 
 
 def _log_params(run: TrackedRun, params: dict[str, str]) -> None:
@@ -124,21 +132,26 @@ def open_run(
     uri: str,
     experiment: str,
     run_name: str,
+    run_dir: str,
+    resume: bool,
     resolved_spec: dict[str, Any],
     spec_yaml: str,
     tags: dict[str, Any],
 ) -> TrackedRun:
-    """Create the job's MLflow run, or re-open the one that has this run name."""
+    """Create the job's MLflow run or, with `resume`, re-open the one of this run name and dir.
+
+    `resume` is true when the run directory holds checkpoints: a run name whose
+    checkpoints are gone starts afresh, in a new MLflow run.
+    """
     client = MlflowClient(tracking_uri=uri)
     try:
         found = client.get_experiment_by_name(experiment)
         experiment_id = found.experiment_id if found else client.create_experiment(experiment)
-        run_id = _find_run(client, experiment_id, run_name)
+        run_id = _find_run(client, experiment_id, run_name, run_dir) if resume else None
         resumed = run_id is not None
         if run_id is None:
-            run_id = client.create_run(
-                experiment_id, run_name=run_name, tags={RUN_NAME_TAG: run_name}
-            ).info.run_id
+            identity = {RUN_NAME_TAG: run_name, RUN_DIR_TAG: run_dir}
+            run_id = client.create_run(experiment_id, run_name=run_name, tags=identity).info.run_id
         else:
             client.update_run(run_id, status="RUNNING")
         run = TrackedRun(client, run_id, experiment_id, resumed, uri=uri)

@@ -52,10 +52,14 @@ class HangWatchdog:
         log_dir = Path(run_dir) / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         self._file: IO[str] = open(log_dir / f"hang-rank{rank}.txt", "a")  # noqa: SIM115 (lives with the process)
+        self._file.write(
+            f"# pid {os.getpid()} started {time.strftime('%Y-%m-%d %H:%M:%S')}; "
+            f"stacks follow if no step completes within {timeout_s:g} s\n"
+        )
+        self._file.flush()
 
     def arm(self) -> None:
-        self._file.write(f"# armed {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-        self._file.flush()
+        """(Re)start the countdown; called after every step."""
         faulthandler.dump_traceback_later(self.timeout_s, exit=True, file=self._file)
 
     def disarm(self) -> None:

@@ -1,0 +1,47 @@
+"""One Ray cluster for the whole integration session, started and stopped here.
+
+It is a private local cluster (`address="local"`), never an existing one, and
+it is shut down by this process only: no `ray stop`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from shoal.launch import RunOptions, RunResult, run
+from shoal.launch.cluster import QUIET_ENV
+from shoal.spec import load
+from tests.conftest import write_workload
+
+CLUSTER_CPUS = 6  # 2 cores here; logical CPUs leave room for Ray Data beside the workers
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[str]:
+    import ray
+
+    for key, value in QUIET_ENV.items():
+        os.environ.setdefault(key, value)
+    ray.init(address="local", num_cpus=CLUSTER_CPUS, include_dashboard=False, log_to_driver=False)
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+@pytest.fixture
+def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ray_cluster: str) -> Path:
+    """A clean working directory: mlflow.db and shoal_runs/ land here."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    return tmp_path
+
+
+def run_workload(
+    workdir: Path, data: dict, overrides: list[str] | None = None, run_name: str = "job", **options
+) -> RunResult:
+    path = write_workload(workdir, data)
+    loaded = load(path, overrides or [], prepare_data=True)
+    return run(loaded, RunOptions(run_name=run_name, **options))

@@ -1,0 +1,82 @@
+"""Built-in corpora: deterministic preparation into parquet shards."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from shoal.data import prepare
+from shoal.data.builtin import read_manifest
+
+
+def table_of(directory: Path):
+    return pq.read_table(sorted((directory).glob("*.parquet")))
+
+
+def digest(directory: Path) -> str:
+    hasher = hashlib.sha256()
+    for split in ("train", "val"):
+        table = pq.read_table(directory / split)
+        hasher.update(str(table.to_pydict()).encode())
+    return hasher.hexdigest()
+
+
+def test_digits_split_is_complete_and_disjoint(tmp_path: Path) -> None:
+    root = prepare("digits", tmp_path / "digits")
+    train, val = pq.read_table(root / "train"), pq.read_table(root / "val")
+    assert (train.num_rows, val.num_rows) == (1438, 359)
+    ids = set(train["id"].to_pylist()) | set(val["id"].to_pylist())
+    assert ids == set(range(1797))
+    x = np.array(train["x"].to_pylist())
+    assert x.shape == (1438, 64)
+    assert x.min() >= 0 and x.max() <= 1
+    assert set(train["y"].to_pylist()) == set(range(10))
+    assert read_manifest(root)["rows"] == {"train": 1438, "val": 359}
+
+
+def test_digits_is_deterministic_per_seed(tmp_path: Path) -> None:
+    a = prepare("digits", tmp_path / "a", seed=1)
+    b = prepare("digits", tmp_path / "b", seed=1)
+    c = prepare("digits", tmp_path / "c", seed=2)
+    assert digest(a) == digest(b) != digest(c)
+
+
+def test_prepare_is_idempotent_and_refuses_foreign_directories(tmp_path: Path) -> None:
+    root = prepare("digits", tmp_path / "d")
+    stamp = (root / "manifest.json").stat().st_mtime_ns
+    assert prepare("digits", root) == root
+    assert (root / "manifest.json").stat().st_mtime_ns == stamp
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(FileExistsError):
+        prepare("digits", tmp_path / "mine")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+def test_pytext_windows_and_file_split(tmp_path: Path) -> None:
+    root = prepare("pytext", tmp_path / "p", seq_len=64)
+    manifest = read_manifest(root)
+    assert manifest["seq_len"] == 64 and manifest["files"]["val"] > 0
+    train, val = pq.read_table(root / "train"), pq.read_table(root / "val")
+    assert train.num_rows > 100_000 and val.num_rows > 1_000
+    first = np.array(train.slice(0, 4)["tokens"].to_pylist(), dtype=np.uint8)
+    assert first.shape == (4, 65)
+    text = bytes(first[0]).decode("utf-8", errors="replace")
+    assert text.isprintable() or "\n" in text
+    assert set(train["id"].to_pylist()).isdisjoint(val["id"].to_pylist())
+
+
+def test_pytext_is_deterministic(tmp_path: Path) -> None:
+    a = prepare("pytext", tmp_path / "a", seq_len=32)
+    b = prepare("pytext", tmp_path / "b", seq_len=32)
+    first = pq.read_table(a / "train" / "part-00000.parquet")
+    assert first.equals(pq.read_table(b / "train" / "part-00000.parquet"))
+
+
+def test_unknown_corpus(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown built-in corpus 'imagenet'"):
+        prepare("imagenet", tmp_path)

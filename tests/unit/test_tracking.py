@@ -1,0 +1,105 @@
+"""The driver's MLflow side, against a real sqlite tracking store (no Ray)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from shoal.tracking import Recorder, open_run, resolve_uri
+from shoal.tracking.mlflow_run import flatten
+
+
+def _open(tmp_path: Path, resume: bool, run_dir: str = "/runs/a"):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    spec = {"name": "w", "train": {"optimizer": {"lr": 0.1}, "betas": [0.9, 0.99]}}
+    return open_run(
+        uri, "exp", "job-1", run_dir, resume, spec, "name: w\n", {"shoal.workload": "w"}
+    )
+
+
+def _report(
+    steps: range, events: list | None = None, checkpoint: str | None = None, **summary
+) -> dict:
+    records = [{"step": s, "train/loss": 1.0 / s, "train/lr": 0.1} for s in steps]
+    summary = {"step": steps[-1] if steps else 0, "total_steps": 20, "world_size": 2, **summary}
+    return {
+        "type": "report",
+        "summary": summary,
+        "steps": records,
+        "events": events or [],
+        "checkpoint": checkpoint,
+    }
+
+
+def test_flatten_params() -> None:
+    assert flatten({"a": {"b": 1, "c": [1, 2]}, "d": None, "e": {}}) == {
+        "a.b": "1",
+        "a.c": "[1, 2]",
+        "d": "None",
+        "e": "{}",
+    }
+
+
+def test_default_uri_is_an_absolute_sqlite_file(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert resolve_uri(None) == f"sqlite:///{tmp_path}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
+    assert resolve_uri(None) == "http://127.0.0.1:5000"
+    assert resolve_uri("sqlite:///x.db") == f"sqlite:///{tmp_path}/x.db"  # the spec wins
+
+
+def test_replayed_steps_are_logged_once(tmp_path: Path) -> None:
+    run = _open(tmp_path, resume=False)
+    recorder = Recorder(run)
+    started = {"kind": "attempt_started", "world_size": 2, "restored_step": None, "time": 0}
+    recorder.handle(_report(range(1, 11), [started]))
+    recorder.handle({"type": "failure", "errors": {1: "ActorDiedError: killed"}, "time": 1.0})
+    restarted = {**started, "restored_step": 6}
+    recorder.handle(_report(range(7, 16), [restarted], checkpoint="/runs/a/checkpoint-15"))
+    recorder.finish("FINISHED")
+
+    client = MlflowClient(run.uri)
+    history = client.get_metric_history(run.run_id, "train/loss")
+    assert sorted(m.step for m in history) == list(range(1, 16))
+    stored = client.get_run(run.run_id)
+    assert stored.info.status == "FINISHED"
+    assert stored.data.tags["shoal.restarts"] == "1"
+    assert stored.data.tags["shoal.latest_checkpoint"] == "/runs/a/checkpoint-15"
+    assert stored.data.params["train.optimizer.lr"] == "0.1"
+    events = json.loads(
+        Path(client.download_artifacts(run.run_id, "events.json", str(tmp_path))).read_text()
+    )
+    assert [e["kind"] for e in events] == ["attempt_started", "failure", "attempt_started"]
+
+
+def test_resume_reopens_the_same_run_without_duplicates(tmp_path: Path) -> None:
+    first = _open(tmp_path, resume=False)
+    recorder = Recorder(first)
+    recorder.handle(_report(range(1, 9), [{"kind": "eval", "step": 8, "val/loss": 0.5, "time": 0}]))
+    recorder.finish("KILLED")
+
+    again = _open(tmp_path, resume=True)
+    assert again.run_id == first.run_id and again.resumed and again.logged_until == 8
+    recorder = Recorder(again)
+    eval_again = {"kind": "eval", "step": 8, "val/loss": 0.4, "time": 0}
+    recorder.handle(_report(range(5, 13), [eval_again]))
+    recorder.finish("FINISHED")
+    client = MlflowClient(again.uri)
+    assert sorted(m.step for m in client.get_metric_history(again.run_id, "train/loss")) == list(
+        range(1, 13)
+    )
+    assert [m.value for m in client.get_metric_history(again.run_id, "val/loss")] == [0.5]
+    assert client.get_run(again.run_id).info.status == "FINISHED"
+
+
+def test_a_fresh_run_dir_gets_a_fresh_mlflow_run(tmp_path: Path) -> None:
+    first = _open(tmp_path, resume=False)
+    Recorder(first).finish("FINISHED")
+    assert _open(tmp_path, resume=False).run_id != first.run_id  # checkpoints gone: start afresh
+    assert _open(tmp_path, resume=True, run_dir="/runs/other").run_id != first.run_id

@@ -1,0 +1,109 @@
+"""Worker parts that need no Ray: schedule, accumulation, checkpoint round trip."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from shoal.models import build_model
+from shoal.worker import checkpoint
+from shoal.worker.checkpoint import Position
+from shoal.worker.loop import accumulation_steps, planned_steps
+from shoal.worker.optim import build_optimizer, build_scheduler, lr_multiplier
+
+SCHEDULE = {"warmup_steps": 10, "decay": "cosine", "min_lr_ratio": 0.1}
+OPTIMIZER = {
+    "name": "adamw",
+    "lr": 1e-2,
+    "weight_decay": 0.1,
+    "betas": [0.9, 0.99],
+    "momentum": 0.9,
+}
+
+
+def test_warmup_then_cosine_to_the_floor() -> None:
+    values = [lr_multiplier(s, 110, SCHEDULE) for s in range(111)]
+    assert values[0] == pytest.approx(0.1) and values[9] == pytest.approx(1.0)
+    assert values[10] == pytest.approx(1.0)
+    assert values[60] == pytest.approx(0.55)
+    assert values[110] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(values[10:], values[11:], strict=False))
+
+
+def test_linear_and_constant_decay() -> None:
+    linear = {**SCHEDULE, "decay": "linear", "warmup_steps": 0}
+    assert lr_multiplier(50, 100, linear) == pytest.approx(0.55)
+    assert lr_multiplier(77, 100, {**SCHEDULE, "decay": "constant"}) == 1.0
+
+
+def test_accumulation() -> None:
+    assert accumulation_steps(None, 64, 2) == 1
+    assert accumulation_steps(512, 64, 2) == 4
+    with pytest.raises(ValueError, match="not a multiple"):
+        accumulation_steps(100, 64, 2)
+
+
+def test_planned_steps_from_epochs() -> None:
+    train = {"max_steps": None, "epochs": 3, "global_batch_size": 256}
+    # 1437 rows / 2 ranks = 718 -> 11 micro-batches of 64 per epoch, 2 per step -> 16.5 steps
+    assert planned_steps(train, 1437, 64, 2) == 16
+    assert planned_steps({**train, "max_steps": 7, "epochs": None}, None, 64, 2) == 7
+
+
+def test_weight_decay_skips_biases() -> None:
+    model = build_model({"family": "mlp", "args": {"hidden": 8}})
+    optimizer = build_optimizer(model, OPTIMIZER)
+    decayed, plain = optimizer.param_groups
+    assert all(p.dim() >= 2 for p in decayed["params"]) and all(
+        p.dim() < 2 for p in plain["params"]
+    )
+    assert plain["weight_decay"] == 0.0
+
+
+def _train_a_little(model, optimizer, scheduler, steps: int) -> None:
+    for _ in range(steps):
+        loss = model(torch.rand(8, 64)).logsumexp(-1).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+
+
+def test_checkpoint_round_trip_restores_everything(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = build_model({"family": "mlp", "args": {"hidden": 16}})
+    optimizer = build_optimizer(model, OPTIMIZER)
+    scheduler = build_scheduler(optimizer, 100, SCHEDULE)
+    _train_a_little(model, optimizer, scheduler, 5)
+    position = Position(step=5, epoch=1, batches_in_epoch=3, samples=320)
+    random.seed(11), np.random.seed(11), torch.manual_seed(11)
+    checkpoint.save(tmp_path, model, optimizer, scheduler, position, rank=0, world_size=2)
+    expected_draws = (random.random(), np.random.rand(), torch.rand(1).item())
+
+    torch.manual_seed(99)
+    fresh = build_model({"family": "mlp", "args": {"hidden": 16}})
+    fresh_optimizer = build_optimizer(fresh, OPTIMIZER)
+    fresh_scheduler = build_scheduler(fresh_optimizer, 100, SCHEDULE)
+    restored, world = checkpoint.restore(tmp_path, fresh, fresh_optimizer, fresh_scheduler, rank=0)
+
+    assert (restored, world) == (position, 2)
+    for a, b in zip(model.state_dict().values(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    assert (
+        fresh_scheduler.last_epoch == 5 and fresh_scheduler.get_last_lr() == scheduler.get_last_lr()
+    )
+    saved, loaded = optimizer.state_dict()["state"], fresh_optimizer.state_dict()["state"]
+    for key in saved:
+        assert torch.equal(saved[key]["exp_avg"], loaded[key]["exp_avg"])
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected_draws
+    # Both continue identically from here.
+    torch.manual_seed(5)
+    _train_a_little(model, optimizer, scheduler, 3)
+    torch.manual_seed(5)
+    _train_a_little(fresh, fresh_optimizer, fresh_scheduler, 3)
+    for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(a, b)
