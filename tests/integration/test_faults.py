@@ -25,6 +25,14 @@ def wait_for(predicate, timeout_s: float, what: str) -> None:
         time.sleep(0.2)
 
 
+def registered(run_dir: Path, checkpoint: str) -> bool:
+    """Ray Train has committed this checkpoint (its directory appears before that)."""
+    try:
+        return checkpoint in (run_dir / "checkpoint_manager_snapshot.json").read_text()
+    except OSError:
+        return False
+
+
 def loss_steps(client: MlflowClient, run_id: str) -> list[int]:
     return sorted(m.step for m in client.get_metric_history(run_id, "train/loss"))
 
@@ -39,7 +47,7 @@ def test_sigkilled_worker_restarts_from_checkpoint(workdir: Path) -> None:
     )
     runner.start()
     run_dir = workdir / "shoal_runs" / "killed"
-    wait_for(lambda: (run_dir / "checkpoint-00000100").exists(), 240, "the step-100 checkpoint")
+    wait_for(lambda: registered(run_dir, "checkpoint-00000100"), 240, "the step-100 checkpoint")
     victim = json.loads((run_dir / "workers" / "rank1.json").read_text())
     os.kill(victim["pid"], signal.SIGKILL)
     runner.join(timeout=400)
@@ -88,7 +96,7 @@ def test_ctrl_c_then_same_run_name_resumes(workdir: Path, ray_cluster: str) -> N
     first = shoal_cli(args, workdir)
     run_dir = workdir / "shoal_runs" / "again"
     wait_for(
-        lambda: (run_dir / "checkpoint-00000100").exists() or first.poll() is not None,
+        lambda: registered(run_dir, "checkpoint-00000100") or first.poll() is not None,
         300,
         "a checkpoint",
     )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sys
 from typing import Any
 
 from torch import nn
@@ -21,7 +23,15 @@ class ModelError(ValueError):
 
 
 def import_target(target: str) -> type[nn.Module]:
+    """Import `package.module:Class`, looking in the working directory too.
+
+    The `shoal` console script, unlike `python -m`, does not put the working
+    directory on sys.path; users expect their `my_models.py` beside the YAML.
+    """
     module_name, _, attr = target.partition(":")
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    importlib.invalidate_caches()
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
