@@ -124,3 +124,22 @@ def test_ctrl_c_then_same_run_name_resumes(workdir: Path, ray_cluster: str) -> N
     ]
     assert starts[-1]["restored_step"] >= 100
     assert len(client.search_runs([resumed.info.experiment_id])) == 1
+
+
+def test_restarts_are_bounded_by_max_restarts(workdir: Path) -> None:
+    overrides = ["train.max_steps=2000", "checkpoint.every_steps=50", "failure.max_restarts=0"]
+    outcome: dict[str, RunResult] = {}
+    runner = threading.Thread(
+        target=lambda: outcome.update(
+            result=run_workload(workdir, quickstart(), overrides, "bounded")
+        )
+    )
+    runner.start()
+    run_dir = workdir / "shoal_runs" / "bounded"
+    wait_for(lambda: registered(run_dir, "checkpoint-00000050"), 240, "the first checkpoint")
+    os.kill(json.loads((run_dir / "workers" / "rank0.json").read_text())["pid"], signal.SIGKILL)
+    runner.join(timeout=300)
+    result = outcome["result"]
+    assert result.status == "FAILED" and result.restarts == 0
+    assert "worker rank" in result.reason
+    assert MlflowClient(result.tracking_uri).get_run(result.run_id).info.status == "FAILED"

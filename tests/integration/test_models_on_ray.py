@@ -7,6 +7,7 @@ from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
+from shoal.data import prepare
 from tests.integration.conftest import run_workload
 
 
@@ -47,10 +48,15 @@ def test_user_model_from_the_working_directory(workdir: Path) -> None:
         "    def forward(self, x):\n"
         "        return self.body(x)\n"
     )
+    prepare("digits", workdir / "mydata")  # stands in for the user's own parquet shards
     data = {
         "name": "custom",
         "model": {"target": "my_net:Net", "args": {"hidden": 32}},
-        "data": {"builtin": "digits", "batch_size": 32},
+        "data": {
+            "train": {"path": "mydata/train/part-*.parquet"},
+            "val": {"path": "mydata/val"},
+            "batch_size": 32,
+        },
         "train": {"max_steps": 60, "eval_every": 60, "optimizer": {"lr": 0.01}},
         "scaling": {"workers": 1},
     }

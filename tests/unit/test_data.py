@@ -80,3 +80,16 @@ def test_pytext_is_deterministic(tmp_path: Path) -> None:
 def test_unknown_corpus(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown built-in corpus 'imagenet'"):
         prepare("imagenet", tmp_path)
+
+
+def test_sources_by_directory_glob_and_file(tmp_path: Path) -> None:
+    from shoal.data.sources import DataError, parquet_files
+
+    root = prepare("digits", tmp_path / "d")
+    by_dir = parquet_files(str(root / "train"), "data.train.path")
+    by_glob = parquet_files(str(root / "train" / "part-*.parquet"), "data.train.path")
+    assert by_dir == by_glob and len(by_dir) == 4
+    assert parquet_files(by_dir[0], "data.train.path") == by_dir[:1]
+    assert parquet_files("s3://bucket/train", "data.train.path") == ["s3://bucket/train"]
+    with pytest.raises(DataError, match="no parquet files found"):
+        parquet_files(str(root / "train" / "*.csv"), "data.train.path")

@@ -107,3 +107,10 @@ def test_checkpoint_round_trip_restores_everything(tmp_path: Path) -> None:
     _train_a_little(fresh, fresh_optimizer, fresh_scheduler, 3)
     for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_sgd_with_momentum() -> None:
+    model = build_model({"family": "mlp", "args": {"hidden": 8}})
+    optimizer = build_optimizer(model, {**OPTIMIZER, "name": "sgd", "momentum": 0.8})
+    assert isinstance(optimizer, torch.optim.SGD)
+    assert optimizer.param_groups[0]["momentum"] == 0.8 and optimizer.param_groups[0]["lr"] == 1e-2

@@ -81,6 +81,7 @@ class Trainer:
             self.optimizer, self.total_steps, self.train_spec["schedule"]
         )
         self.position = Position()
+        self.saved_step = -1
         self.reporter = Reporter(StepStats(self.world, config["report_interval_s"], self.rank == 0))
         self.watchdog = HangWatchdog(
             self.spec["failure"]["hang_timeout_s"], config["run_dir"], self.rank
@@ -98,7 +99,7 @@ class Trainer:
                 self.position, old_world = checkpoint.restore(
                     Path(directory), self.model, self.optimizer, self.scheduler, self.rank
                 )
-            restored_from = self.position.step
+            restored_from = self.saved_step = self.position.step
             if old_world != self.world:  # same samples read, spread over a new number of ranks
                 self.position.batches_in_epoch = (
                     self.position.batches_in_epoch * old_world // self.world
@@ -117,6 +118,10 @@ class Trainer:
         self.reporter.send(self._summary())
 
     def save(self, final: bool = False) -> None:
+        if self.position.step == self.saved_step:  # nothing new since the last checkpoint
+            self.reporter.send(self._summary(final=final))
+            return
+        self.saved_step = self.position.step
         with tempfile.TemporaryDirectory(prefix="shoal-ckpt-") as tmp:
             checkpoint.save(
                 Path(tmp),
