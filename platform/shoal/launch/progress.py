@@ -23,7 +23,7 @@ class TerminalProgress:
         self.console = console
         self.progress = Progress(
             TextColumn("[bold]{task.description}"),
-            BarColumn(),
+            BarColumn(bar_width=24),
             MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]}"),
             TextColumn("{task.fields[speed]}"),
@@ -93,8 +93,8 @@ def summary_table(result: RunResult) -> Table:
     table = Table(
         title=f"shoal run {result.run_name}: [{colour}]{result.status}[/]", show_header=False
     )
-    table.add_column(style="bold")
-    table.add_column()
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column(overflow="fold")  # paths and commands are shown whole, never cut
     table.add_row("steps", f"{result.step} / {result.total_steps}")
     for key, value in sorted(result.metrics.items()):
         table.add_row(key, _fmt(value))
