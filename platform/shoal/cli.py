@@ -30,23 +30,17 @@ def _parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="override a spec value, e.g. --set train.optimizer.lr=1e-3 (repeatable)",
     )
-    run.add_argument(
-        "--address", help="Ray cluster to attach to (HOST:PORT); default: start a local Ray"
-    )
+    run.add_argument("--address", help="Ray cluster to attach to (HOST:PORT); default: start a local Ray")
     run.add_argument("--run-name", help="name of the run; reuse it to resume that run")
     run.add_argument("--verbose", action="store_true", help="show Ray's own logs in the terminal")
 
     validate = commands.add_parser("validate", help="check a workload without running it")
     validate.add_argument("file")
-    validate.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE"
-    )
+    validate.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
     data = commands.add_parser("data", help="datasets")
     data_commands = data.add_subparsers(dest="data_command", required=True)
-    prepare = data_commands.add_parser(
-        "prepare", help="prepare a built-in corpus as parquet shards"
-    )
+    prepare = data_commands.add_parser("prepare", help="prepare a built-in corpus as parquet shards")
     prepare.add_argument("name", help="digits | pytext")
     prepare.add_argument("dir", nargs="?", help="target directory (default: shoal's data cache)")
     prepare.add_argument("--seed", type=int, default=0)

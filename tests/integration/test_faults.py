@@ -41,9 +41,7 @@ def test_sigkilled_worker_restarts_from_checkpoint(workdir: Path) -> None:
     overrides = ["train.max_steps=300", "checkpoint.every_steps=50", "train.eval_every=100"]
     outcome: dict[str, RunResult] = {}
     runner = threading.Thread(
-        target=lambda: outcome.update(
-            result=run_workload(workdir, quickstart(), overrides, "killed")
-        )
+        target=lambda: outcome.update(result=run_workload(workdir, quickstart(), overrides, "killed"))
     )
     runner.start()
     run_dir = workdir / "shoal_runs" / "killed"
@@ -119,9 +117,7 @@ def test_ctrl_c_then_same_run_name_resumes(workdir: Path, ray_cluster: str) -> N
     assert resumed.info.status == "FINISHED"
     assert loss_steps(client, killed.info.run_id) == list(range(1, 401))  # continued, no duplicates
     events_file = client.download_artifacts(killed.info.run_id, "events.json", str(workdir))
-    starts = [
-        e for e in json.loads(Path(events_file).read_text()) if e["kind"] == "attempt_started"
-    ]
+    starts = [e for e in json.loads(Path(events_file).read_text()) if e["kind"] == "attempt_started"]
     assert starts[-1]["restored_step"] >= 100
     assert len(client.search_runs([resumed.info.experiment_id])) == 1
 
@@ -130,9 +126,7 @@ def test_restarts_are_bounded_by_max_restarts(workdir: Path) -> None:
     overrides = ["train.max_steps=2000", "checkpoint.every_steps=50", "failure.max_restarts=0"]
     outcome: dict[str, RunResult] = {}
     runner = threading.Thread(
-        target=lambda: outcome.update(
-            result=run_workload(workdir, quickstart(), overrides, "bounded")
-        )
+        target=lambda: outcome.update(result=run_workload(workdir, quickstart(), overrides, "bounded"))
     )
     runner.start()
     run_dir = workdir / "shoal_runs" / "bounded"

@@ -19,9 +19,7 @@ SHOAL = [sys.executable, "-m", "shoal.cli"]
 
 def shoal(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "COLUMNS": "200"}
-    return subprocess.run(
-        [*SHOAL, *args], cwd=cwd, capture_output=True, text=True, timeout=120, env=env
-    )
+    return subprocess.run([*SHOAL, *args], cwd=cwd, capture_output=True, text=True, timeout=120, env=env)
 
 
 def assert_user_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
@@ -53,9 +51,7 @@ def test_unknown_key(tmp_path: Path) -> None:
 
 
 def test_wrong_type(tmp_path: Path) -> None:
-    result = shoal(
-        "run", str(WORKLOADS / "quickstart.yaml"), "--set", "train.max_steps=lots", cwd=tmp_path
-    )
+    result = shoal("run", str(WORKLOADS / "quickstart.yaml"), "--set", "train.max_steps=lots", cwd=tmp_path)
     assert_user_error(result, "--set train.max_steps=lots", "must be an integer (got 'lots')")
 
 
@@ -69,25 +65,19 @@ def test_missing_data_directory(tmp_path: Path) -> None:
 
 
 def test_unreachable_address(tmp_path: Path) -> None:
-    result = shoal(
-        "run", str(WORKLOADS / "quickstart.yaml"), "--address", "127.0.0.1:1", cwd=tmp_path
-    )
+    result = shoal("run", str(WORKLOADS / "quickstart.yaml"), "--address", "127.0.0.1:1", cwd=tmp_path)
     assert_user_error(result, "no Ray cluster at --address '127.0.0.1:1'")
     assert not (tmp_path / "mlflow.db").exists()
 
 
 def test_address_that_is_not_host_port(tmp_path: Path) -> None:
-    result = shoal(
-        "run", str(WORKLOADS / "quickstart.yaml"), "--address", "my-cluster", cwd=tmp_path
-    )
+    result = shoal("run", str(WORKLOADS / "quickstart.yaml"), "--address", "my-cluster", cwd=tmp_path)
     assert_user_error(result, "is not HOST:PORT")
 
 
 @pytest.mark.parametrize("name", ["imagenet"])
 def test_data_prepare_unknown(tmp_path: Path, name: str) -> None:
-    assert_user_error(
-        shoal("data", "prepare", name, str(tmp_path / "x"), cwd=tmp_path), "unknown corpus"
-    )
+    assert_user_error(shoal("data", "prepare", name, str(tmp_path / "x"), cwd=tmp_path), "unknown corpus")
 
 
 def test_data_prepare_digits(tmp_path: Path) -> None:

@@ -37,9 +37,7 @@ def test_gpt_shapes_and_causality() -> None:
 
 
 def test_gpt_ties_embedding_and_head() -> None:
-    model = build_model(
-        {"family": "gpt", "args": {"n_layers": 1, "d_model": 16, "n_heads": 2, "seq_len": 8}}
-    )
+    model = build_model({"family": "gpt", "args": {"n_layers": 1, "d_model": 16, "n_heads": 2, "seq_len": 8}})
     assert model.lm_head.weight is model.token_embedding.weight
     assert count_parameters(model) < sum(p.numel() for p in model.state_dict().values())
 

@@ -114,12 +114,12 @@ def test_wrong_type(tmp_path: Path) -> None:
 def test_bad_override_is_blamed_on_the_override() -> None:
     errors = errors_of(WORKLOADS / "quickstart.yaml", ["train.precision=fp64"])
     assert errors == [
-        "--set train.precision=fp64 train.precision: must be one of 'fp32' or 'bf16' (got 'fp64')"
+        "--set train.precision=fp64 train.precision: "
+        "must be one of 'fp32', 'bf16', 'fp16' or 'fp8' (got 'fp64')"
     ]
     errors = errors_of(WORKLOADS / "quickstart.yaml", ["train.optimzer.lr=1"])
     assert errors == [
-        "--set train.optimzer.lr=1 train.optimzer: "
-        "unknown key 'optimzer' (did you mean 'optimizer'?)"
+        "--set train.optimzer.lr=1 train.optimzer: unknown key 'optimzer' (did you mean 'optimizer'?)"
     ]
 
 
@@ -150,17 +150,12 @@ def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
 
 def test_elastic_workers_must_be_ordered() -> None:
     errors = errors_of(WORKLOADS / "quickstart.yaml", ["scaling.workers={min: 3, max: 2}"])
-    assert errors == [
-        "--set scaling.workers={min: 3, max: 2} scaling.workers: min (3) must be <= max (2)"
-    ]
+    assert errors == ["--set scaling.workers={min: 3, max: 2} scaling.workers: min (3) must be <= max (2)"]
 
 
 def test_global_batch_must_divide() -> None:
     (error,) = errors_of(WORKLOADS / "quickstart.yaml", ["train.global_batch_size=100"])
-    assert (
-        "train.global_batch_size: 100 is not a multiple of data.batch_size (64) x 2 workers"
-        in error
-    )
+    assert "train.global_batch_size: 100 is not a multiple of data.batch_size (64) x 2 workers" in error
 
 
 def test_elastic_global_batch_checked_at_both_ends() -> None:
@@ -184,9 +179,7 @@ def test_model_args_are_checked_against_the_constructor() -> None:
 
 
 def test_user_model_target_must_import() -> None:
-    (error,) = errors_of(
-        WORKLOADS / "quickstart.yaml", ["model.family=null", "model.target=no_such_pkg:Net"]
-    )
+    (error,) = errors_of(WORKLOADS / "quickstart.yaml", ["model.family=null", "model.target=no_such_pkg:Net"])
     assert "model.target: cannot import module 'no_such_pkg'" in error
 
 

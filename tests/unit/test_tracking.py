@@ -15,14 +15,10 @@ from shoal.tracking.mlflow_run import flatten
 def _open(tmp_path: Path, resume: bool, run_dir: str = "/runs/a"):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     spec = {"name": "w", "train": {"optimizer": {"lr": 0.1}, "betas": [0.9, 0.99]}}
-    return open_run(
-        uri, "exp", "job-1", run_dir, resume, spec, "name: w\n", {"shoal.workload": "w"}
-    )
+    return open_run(uri, "exp", "job-1", run_dir, resume, spec, "name: w\n", {"shoal.workload": "w"})
 
 
-def _report(
-    steps: range, events: list | None = None, checkpoint: str | None = None, **summary
-) -> dict:
+def _report(steps: range, events: list | None = None, checkpoint: str | None = None, **summary) -> dict:
     records = [{"step": s, "train/loss": 1.0 / s, "train/lr": 0.1} for s in steps]
     summary = {"step": steps[-1] if steps else 0, "total_steps": 20, "world_size": 2, **summary}
     return {
@@ -43,9 +39,7 @@ def test_flatten_params() -> None:
     }
 
 
-def test_default_uri_is_an_absolute_sqlite_file(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+def test_default_uri_is_an_absolute_sqlite_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     assert resolve_uri(None) == f"sqlite:///{tmp_path}/mlflow.db"
@@ -72,9 +66,7 @@ def test_replayed_steps_are_logged_once(tmp_path: Path) -> None:
     assert stored.data.tags["shoal.restarts"] == "1"
     assert stored.data.tags["shoal.latest_checkpoint"] == "/runs/a/checkpoint-15"
     assert stored.data.params["train.optimizer.lr"] == "0.1"
-    events = json.loads(
-        Path(client.download_artifacts(run.run_id, "events.json", str(tmp_path))).read_text()
-    )
+    events = json.loads(Path(client.download_artifacts(run.run_id, "events.json", str(tmp_path))).read_text())
     assert [e["kind"] for e in events] == ["attempt_started", "failure", "attempt_started"]
 
 
@@ -91,9 +83,7 @@ def test_resume_reopens_the_same_run_without_duplicates(tmp_path: Path) -> None:
     recorder.handle(_report(range(5, 13), [eval_again]))
     recorder.finish("FINISHED")
     client = MlflowClient(again.uri)
-    assert sorted(m.step for m in client.get_metric_history(again.run_id, "train/loss")) == list(
-        range(1, 13)
-    )
+    assert sorted(m.step for m in client.get_metric_history(again.run_id, "train/loss")) == list(range(1, 13))
     assert [m.value for m in client.get_metric_history(again.run_id, "val/loss")] == [0.5]
     assert client.get_run(again.run_id).info.status == "FINISHED"
 

@@ -58,9 +58,7 @@ def test_weight_decay_skips_biases() -> None:
     model = build_model({"family": "mlp", "args": {"hidden": 8}})
     optimizer = build_optimizer(model, OPTIMIZER)
     decayed, plain = optimizer.param_groups
-    assert all(p.dim() >= 2 for p in decayed["params"]) and all(
-        p.dim() < 2 for p in plain["params"]
-    )
+    assert all(p.dim() >= 2 for p in decayed["params"]) and all(p.dim() < 2 for p in plain["params"])
     assert plain["weight_decay"] == 0.0
 
 
@@ -81,21 +79,19 @@ def test_checkpoint_round_trip_restores_everything(tmp_path: Path) -> None:
     _train_a_little(model, optimizer, scheduler, 5)
     position = Position(step=5, epoch=1, batches_in_epoch=3, samples=320)
     random.seed(11), np.random.seed(11), torch.manual_seed(11)
-    checkpoint.save(tmp_path, model, optimizer, scheduler, position, rank=0, world_size=2)
+    checkpoint.save(tmp_path, [model], [optimizer], scheduler, position, rank=0, world_size=2)
     expected_draws = (random.random(), np.random.rand(), torch.rand(1).item())
 
     torch.manual_seed(99)
     fresh = build_model({"family": "mlp", "args": {"hidden": 16}})
     fresh_optimizer = build_optimizer(fresh, OPTIMIZER)
     fresh_scheduler = build_scheduler(fresh_optimizer, 100, SCHEDULE)
-    restored, world = checkpoint.restore(tmp_path, fresh, fresh_optimizer, fresh_scheduler, rank=0)
+    restored, world = checkpoint.restore(tmp_path, [fresh], [fresh_optimizer], [fresh_scheduler], rank=0)
 
     assert (restored, world) == (position, 2)
     for a, b in zip(model.state_dict().values(), fresh.state_dict().values(), strict=True):
         assert torch.equal(a, b)
-    assert (
-        fresh_scheduler.last_epoch == 5 and fresh_scheduler.get_last_lr() == scheduler.get_last_lr()
-    )
+    assert fresh_scheduler.last_epoch == 5 and fresh_scheduler.get_last_lr() == scheduler.get_last_lr()
     saved, loaded = optimizer.state_dict()["state"], fresh_optimizer.state_dict()["state"]
     for key in saved:
         assert torch.equal(saved[key]["exp_avg"], loaded[key]["exp_avg"])

@@ -93,15 +93,12 @@ def _windows(files: list[Path], window: int) -> np.ndarray:
     return tokens[: count * window].reshape(count, window)
 
 
-def _pytext_tables(
-    seed: int, seq_len: int, val_fraction: float = 0.05
-) -> tuple[pa.Table, pa.Table, dict]:
+def _pytext_tables(seed: int, seq_len: int, val_fraction: float = 0.05) -> tuple[pa.Table, pa.Table, dict]:
     files = stdlib_sources()
     root = Path(sysconfig.get_paths()["stdlib"])
     # Split by file (not by window) so that val text is never seen in training.
     is_val = [
-        zlib.crc32(f"{seed}:{f.relative_to(root)}".encode()) % 10_000 < val_fraction * 10_000
-        for f in files
+        zlib.crc32(f"{seed}:{f.relative_to(root)}".encode()) % 10_000 < val_fraction * 10_000 for f in files
     ]
     rng = np.random.default_rng(seed)
     train_files = [f for f, v in zip(files, is_val, strict=True) if not v]
@@ -148,9 +145,7 @@ def prepare(
     if existing and not force and all(existing.get(k) == v for k, v in wanted.items()):
         return target
     if target.exists() and any(target.iterdir()) and existing is None:
-        raise FileExistsError(
-            f"{target} exists and is not a prepared shoal corpus; choose another directory"
-        )
+        raise FileExistsError(f"{target} exists and is not a prepared shoal corpus; choose another directory")
     if on_progress:
         on_progress(f"preparing built-in corpus '{name}' in {target}")
     if name == "digits":

@@ -72,8 +72,7 @@ def _check_columns(files: list[str], task: str, where: str) -> None:
     if missing:
         raise DataError(
             where,
-            f"'{files[0]}' lacks column(s) {missing} needed for task '{task}' "
-            f"(has {sorted(columns)})",
+            f"'{files[0]}' lacks column(s) {missing} needed for task '{task}' (has {sorted(columns)})",
         )
 
 
@@ -81,9 +80,7 @@ def _total_bytes(files: list[str]) -> int:
     return sum(Path(f).stat().st_size for f in files if not _is_remote(f))
 
 
-def plan_data(
-    data: dict[str, Any], model: dict[str, Any], task: str, prepare_builtin: bool
-) -> DataPlan:
+def plan_data(data: dict[str, Any], model: dict[str, Any], task: str, prepare_builtin: bool) -> DataPlan:
     """Resolve the data section into file lists (preparing a built-in corpus if asked)."""
     builtin = data.get("builtin")
     if builtin is not None:

@@ -81,16 +81,12 @@ def local_cpus(wanted: float) -> int:
 
 
 @contextmanager
-def ray_session(
-    address: str | None, cpus_wanted: float, verbose: bool = False
-) -> Iterator[RaySession]:
+def ray_session(address: str | None, cpus_wanted: float, verbose: bool = False) -> Iterator[RaySession]:
     """Use the Ray already initialised in this process, attach to `address`, or start one."""
     import ray
 
     if ray.is_initialized():
-        yield RaySession(
-            ray.get_runtime_context().gcs_address, False, ray.cluster_resources().get("CPU", 0)
-        )
+        yield RaySession(ray.get_runtime_context().gcs_address, False, ray.cluster_resources().get("CPU", 0))
         return
     common = {
         "log_to_driver": verbose,
@@ -104,9 +100,7 @@ def ray_session(
             raise ClusterError(f"cannot attach to Ray at '{address}': {exc}") from None
         started = False
     else:
-        ray.init(
-            address="local", num_cpus=local_cpus(cpus_wanted), include_dashboard=False, **common
-        )
+        ray.init(address="local", num_cpus=local_cpus(cpus_wanted), include_dashboard=False, **common)
         started = True
     try:
         yield RaySession(

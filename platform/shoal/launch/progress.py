@@ -44,9 +44,7 @@ class TerminalProgress:
     def on_progress(self, step: int, total: int, metrics: dict[str, float]) -> None:
         loss = _fmt(metrics["train/loss"]) if "train/loss" in metrics else "-"
         speed = (
-            f"{_fmt(metrics['train/samples_per_s'])} samples/s"
-            if "train/samples_per_s" in metrics
-            else ""
+            f"{_fmt(metrics['train/samples_per_s'])} samples/s" if "train/samples_per_s" in metrics else ""
         )
         if "val/accuracy" in metrics:
             speed += f"  val acc {metrics['val/accuracy']:.3f}"
@@ -72,9 +70,7 @@ class TerminalProgress:
                 f"{event['parameters']:,} parameters, accumulation {event['accumulation']}"
             )
         elif kind == "failure":
-            ranks = ", ".join(
-                f"rank {r}: {e.splitlines()[0][:160]}" for r, e in event["errors"].items()
-            )
+            ranks = ", ".join(f"rank {r}: {e.splitlines()[0][:160]}" for r, e in event["errors"].items())
             self.console.print(
                 f"[yellow]worker failure[/] {ranks}; Ray Train restarts from the latest checkpoint"
             )
@@ -90,9 +86,7 @@ def browse_command(uri: str) -> str:
 
 def summary_table(result: RunResult) -> Table:
     colour = {"FINISHED": "green", "FAILED": "red", "KILLED": "yellow"}[result.status]
-    table = Table(
-        title=f"shoal run {result.run_name}: [{colour}]{result.status}[/]", show_header=False
-    )
+    table = Table(title=f"shoal run {result.run_name}: [{colour}]{result.status}[/]", show_header=False)
     table.add_column(style="bold", no_wrap=True)
     table.add_column(overflow="fold")  # paths and commands are shown whole, never cut
     table.add_row("steps", f"{result.step} / {result.total_steps}")

@@ -158,9 +158,7 @@ def _worker_config(loaded: LoadedWorkload, run_dir: Path, options: RunOptions) -
     }
 
 
-def _trainer(
-    loaded: LoadedWorkload, run_name: str, storage: Path, config: dict, queue: Any, local: bool
-):
+def _trainer(loaded: LoadedWorkload, run_name: str, storage: Path, config: dict, queue: Any, local: bool):
     import ray.train
     from ray.train.torch import TorchTrainer
 

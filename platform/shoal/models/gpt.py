@@ -26,10 +26,7 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
-        q, k, v = (
-            proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-            for proj in (self.q, self.k, self.v)
-        )
+        q, k, v = (proj(x).view(B, T, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
         dropout = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
         return self.out(y.transpose(1, 2).reshape(B, T, -1))
@@ -69,17 +66,20 @@ class GPT(nn.Module):
         vocab_size: int = 256,
         seq_len: int = 128,
         dropout: float = 0.0,
+        tie_embeddings: bool = True,
     ):
         super().__init__()
         if d_model % n_heads:
             raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
-        self.seq_len = seq_len
-        self.token_embedding = nn.Embedding(vocab_size, d_model)
-        self.position_embedding = nn.Embedding(seq_len, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, n_heads, dropout) for _ in range(n_layers))
-        self.final_norm = nn.LayerNorm(d_model)
-        self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
-        self.lm_head.weight = self.token_embedding.weight  # tied, as in GPT-2
+        self.seq_len, self.n_heads, self.n_layers = seq_len, n_heads, n_layers
+        self.token_embedding: nn.Embedding | None = nn.Embedding(vocab_size, d_model)
+        self.position_embedding: nn.Embedding | None = nn.Embedding(seq_len, d_model)
+        # A dict, not a list: a pipeline stage keeps only its layers, under their original names.
+        self.blocks = nn.ModuleDict({str(i): Block(d_model, n_heads, dropout) for i in range(n_layers)})
+        self.final_norm: nn.LayerNorm | None = nn.LayerNorm(d_model)
+        self.lm_head: nn.Linear | None = nn.Linear(d_model, vocab_size, bias=False)
+        if tie_embeddings:  # as in GPT-2; pipeline parallelism needs them untied
+            self.lm_head.weight = self.token_embedding.weight
         self.apply(self._init_weights)
         for name, param in self.named_parameters():
             if name.endswith(("out.weight", "down.weight")):  # residual projections, GPT-2 scaling
@@ -93,11 +93,18 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        length = tokens.shape[1]
-        if length > self.seq_len:
-            raise ValueError(f"sequence of {length} tokens is longer than seq_len={self.seq_len}")
-        positions = torch.arange(length, device=tokens.device)
-        x = self.token_embedding(tokens) + self.position_embedding(positions)
-        for block in self.blocks:
+        """Token ids -> logits; a pipeline stage without the embedding or head takes or
+        returns hidden states instead."""
+        if self.token_embedding is not None:
+            length = tokens.shape[1]
+            if length > self.seq_len:
+                raise ValueError(f"sequence of {length} tokens is longer than seq_len={self.seq_len}")
+            positions = torch.arange(length, device=tokens.device)
+            x = self.token_embedding(tokens) + self.position_embedding(positions)
+        else:
+            x = tokens
+        for block in self.blocks.values():
             x = block(x)
+        if self.lm_head is None:
+            return x
         return self.lm_head(self.final_norm(x))

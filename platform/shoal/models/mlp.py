@@ -9,9 +9,7 @@ from torch import nn
 class MLP(nn.Module):
     task = "classify"
 
-    def __init__(
-        self, in_features: int = 64, hidden: int = 128, layers: int = 2, num_classes: int = 10
-    ):
+    def __init__(self, in_features: int = 64, hidden: int = 128, layers: int = 2, num_classes: int = 10):
         super().__init__()
         blocks: list[nn.Module] = []
         width = in_features

@@ -12,6 +12,8 @@ from shoal.data import DataError, DataPlan, plan_data
 from shoal.models import ModelError, check_args, model_class, model_task
 from shoal.spec.loader import Source, SpecIssue
 from shoal.spec.schema import Workload
+from shoal.worker.parallel.dims import DegreeError, resolve_degrees
+from shoal.worker.parallel.pipeline import stages_per_rank
 
 
 def _issue(source: Source, path: str, message: str) -> SpecIssue:
@@ -50,10 +52,96 @@ def check_model(workload: Workload, source: Source) -> tuple[str | None, list[Sp
         return None, [_issue(source, path, str(exc))]
     issues = []
     if task == "lm" and "seq_len" not in spec.args and workload.data.builtin == "pytext":
-        issues.append(
-            _issue(source, "model.args", "a language model on 'pytext' needs args.seq_len")
-        )
+        issues.append(_issue(source, "model.args", "a language model on 'pytext' needs args.seq_len"))
     return task, issues
+
+
+def check_parallel(workload: Workload, source: Source, task: str | None) -> list[SpecIssue]:
+    """Degrees that fit the worker count, and a model and batch that can be split that way."""
+    parallel = workload.parallel.model_dump()
+    issues, resolved = [], []
+    for world in sorted(set(workload.scaling.worker_range())):
+        try:
+            resolved.append(resolve_degrees(parallel, world))
+        except DegreeError as exc:
+            issues.append(_issue(source, "parallel", f"{exc} (scaling.workers: {world})"))
+    if issues or task is None:
+        return issues
+    return [_issue(source, path, message) for path, message in _split_problems(workload, resolved)]
+
+
+def _split_problems(workload: Workload, resolved: list[dict[str, int]]) -> list[tuple[str, str]]:
+    model, parallel, train = workload.model, workload.parallel, workload.train
+    tp, pp = max(d["tp"] for d in resolved), max(d["pp"] for d in resolved)
+    problems = []
+    if (tp > 1 or pp > 1) and model.family != "gpt":
+        name = model.family or model.target
+        problems.append(("parallel", f"model '{name}' supports ddp, fsdp and hsdp only (tp={tp}, pp={pp})"))
+        return problems
+    args = {**_gpt_defaults(), **model.args}
+    if tp > 1 and args["n_heads"] % tp:
+        problems.append(
+            ("parallel.tp", f"model.args.n_heads ({args['n_heads']}) is not divisible by tp ({tp})")
+        )
+    if pp > 1:
+        stages = pp * stages_per_rank(parallel.pp_schedule)
+        if args["n_layers"] < stages:
+            problems.append(
+                (
+                    "parallel.pp",
+                    f"{stages} pipeline stages need at least {stages} layers "
+                    f"(model.args.n_layers is {args['n_layers']})",
+                )
+            )
+        if args.get("tie_embeddings", True):
+            problems.append(
+                (
+                    "model.args",
+                    "pipeline parallelism needs tie_embeddings: false "
+                    "(the embedding and the head live on different stages)",
+                )
+            )
+        microbatches = parallel.microbatches or stages
+        rows = workload.data.batch_size * tp * pp
+        if rows % microbatches:
+            problems.append(
+                (
+                    "parallel.microbatches",
+                    f"{microbatches} does not divide the pipeline batch of "
+                    f"{rows} rows (data.batch_size x tp x pp)",
+                )
+            )
+        if microbatches < stages and parallel.pp_schedule != "gpipe":
+            problems.append(
+                (
+                    "parallel.microbatches",
+                    f"{parallel.pp_schedule} needs at least as many microbatches as stages ({stages})",
+                )
+            )
+        if train.precision == "fp16":
+            problems.append(
+                ("train.precision", "fp16 loss scaling is not supported with pipeline parallelism; use bf16")
+            )
+    return problems
+
+
+def _gpt_defaults() -> dict:
+    import inspect
+
+    return {k: p.default for k, p in inspect.signature(model_class("gpt", None)).parameters.items()}
+
+
+def check_precision(workload: Workload, source: Source) -> list[SpecIssue]:
+    if workload.train.precision == "fp8" and not workload.scaling.gpus_per_worker:
+        return [
+            _issue(
+                source,
+                "train.precision",
+                "fp8 needs CUDA GPUs of capability >= 8.9 (Ada, Hopper or "
+                "newer); scaling.gpus_per_worker is 0",
+            )
+        ]
+    return []
 
 
 def check_storage(workload: Workload, source: Source) -> list[SpecIssue]:
@@ -77,7 +165,7 @@ def run_checks(
 ) -> tuple[DataPlan | None, list[SpecIssue]]:
     issues = check_batches(workload, source) + check_storage(workload, source)
     task, model_issues = check_model(workload, source)
-    issues += model_issues
+    issues += model_issues + check_parallel(workload, source, task) + check_precision(workload, source)
     plan = None
     if task is not None:
         data = workload.data.model_dump(mode="json")

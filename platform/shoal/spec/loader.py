@@ -40,11 +40,7 @@ class SpecIssue:
     message: str
 
     def __str__(self) -> str:
-        return (
-            f"{self.where} {self.path}: {self.message}"
-            if self.path
-            else f"{self.where}: {self.message}"
-        )
+        return f"{self.where} {self.path}: {self.message}" if self.path else f"{self.where}: {self.message}"
 
 
 class SpecError(Exception):
@@ -145,9 +141,7 @@ def _fields_at(loc: tuple[Any, ...]) -> list[str]:
         if model is None or not isinstance(part, str) or part not in model.model_fields:
             return []
         annotation = model.model_fields[part].annotation
-        candidates = [
-            a for a in getattr(annotation, "__args__", (annotation,)) if isinstance(a, type)
-        ]
+        candidates = [a for a in getattr(annotation, "__args__", (annotation,)) if isinstance(a, type)]
         model = next((a for a in candidates if issubclass(a, BaseModel)), None)
     if model is None:
         return []
@@ -191,9 +185,7 @@ def _describe(error: dict[str, Any]) -> str:
 def _is_union_tag(part: Any) -> bool:
     # Union members add a tag to the location: 'int', 'constrained-int', 'function-after[...]'.
     return isinstance(part, str) and (
-        part in ("int", "float", "bool", "str")
-        or any(c in part for c in "-[(")
-        or part[:1].isupper()
+        part in ("int", "float", "bool", "str") or any(c in part for c in "-[(") or part[:1].isupper()
     )
 
 
@@ -212,9 +204,7 @@ def _issues_from(exc: ValidationError, source: Source) -> list[SpecIssue]:
         ):
             continue  # the deeper error inside this mapping says more
         # A union reports once per member: for a mapping, the mapping member's error is the one.
-        fitting = [
-            e for e in errors if not isinstance(e.get("input"), dict) or "type" not in e["type"]
-        ]
+        fitting = [e for e in errors if not isinstance(e.get("input"), dict) or "type" not in e["type"]]
         issues.append(SpecIssue(source.where(path), path, _describe((fitting or errors)[0])))
     return issues
 

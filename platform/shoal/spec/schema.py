@@ -70,7 +70,9 @@ class TrainSpec(Section):
     max_steps: PositiveInt | None = None
     epochs: PositiveInt | None = None
     global_batch_size: PositiveInt | None = None
-    precision: Literal["fp32", "bf16"] = "fp32"
+    precision: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    compile: bool = False
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
     clip_grad_norm: PositiveFloat | None = None
@@ -86,7 +88,15 @@ class TrainSpec(Section):
 
 
 class ParallelSpec(Section):
-    strategy: Literal["ddp"] = "ddp"
+    """A strategy by name, or explicit degrees whose product is the world size (-1 fills)."""
+
+    strategy: Literal["ddp", "fsdp", "hsdp", "tp", "pp", "hybrid"] | None = None
+    dp_replicate: int | None = None
+    dp_shard: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
+    microbatches: PositiveInt | None = None  # per pipeline step; default: the number of stages
 
 
 class ElasticWorkers(Section):

@@ -22,9 +22,7 @@ class ForwardingCallback(UserCallback):
     def __init__(self, queue: Any):
         self.queue = queue
 
-    def after_report(
-        self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any
-    ) -> None:
+    def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
         lead = metrics[0] if metrics else {}
         message = {
             "type": "report",
@@ -36,7 +34,5 @@ class ForwardingCallback(UserCallback):
         self.queue.put(message)
 
     def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
-        errors = {
-            rank: f"{type(exc).__name__}: {exc}"[:2000] for rank, exc in worker_exceptions.items()
-        }
+        errors = {rank: f"{type(exc).__name__}: {exc}"[:2000] for rank, exc in worker_exceptions.items()}
         self.queue.put({"type": "failure", "errors": errors, "time": time.time()})

@@ -13,21 +13,17 @@ import sys
 import tempfile
 import time
 import uuid
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
-from shoal.models import build_model, count_parameters
 from shoal.worker import checkpoint
 from shoal.worker.checkpoint import Position
-from shoal.worker.optim import build_optimizer, build_scheduler
+from shoal.worker.engine import Engine
 from shoal.worker.reporting import Reporter, StepStats
 from shoal.worker.runtime import HangWatchdog, pick_device, seed_everything, write_pid_file
-from shoal.worker.steps import batch_size_of, evaluate, forward_loss
+from shoal.worker.steps import batch_size_of, evaluate
 from shoal.worker.stream import micro_batches
 
 
@@ -54,6 +50,8 @@ def planned_steps(train: dict[str, Any], train_rows: int | None, micro: int, wor
 
 
 class Trainer:
+    """A Ray Train worker's loop around the Engine: data, checkpoints, reports, watchdog."""
+
     def __init__(self, config: dict[str, Any]):
         import ray.train
 
@@ -62,78 +60,69 @@ class Trainer:
         self.config, self.spec = config, config["workload"]
         self.train_spec, self.task = self.spec["train"], config["data"]["task"]
         self.micro = self.spec["data"]["batch_size"]
-        self.accum = accumulation_steps(
-            self.train_spec["global_batch_size"], self.micro, self.world
-        )
-        self.total_steps = planned_steps(
-            self.train_spec, config.get("train_rows"), self.micro, self.world
-        )
+        self.accum = accumulation_steps(self.train_spec["global_batch_size"], self.micro, self.world)
+        self.total_steps = planned_steps(self.train_spec, config.get("train_rows"), self.micro, self.world)
         self.device = pick_device(context.get_local_rank())
-        seed_everything(self.train_spec["seed"])  # identical initial weights on every rank
-        self.model = build_model(self.spec["model"]).to(self.device)
-        self.parameters = count_parameters(self.model)
-        self.ddp = self.world > 1 and dist.is_initialized()
-        if self.ddp:
-            device_ids = [self.device.index] if self.device.type == "cuda" else None
-            self.model = DistributedDataParallel(self.model, device_ids=device_ids)
-        self.optimizer = build_optimizer(self.model, self.train_spec["optimizer"])
-        self.scheduler = build_scheduler(
-            self.optimizer, self.total_steps, self.train_spec["schedule"]
+        self.engine = Engine(
+            self.spec,
+            self.task,
+            self.world,
+            self.device,
+            self.total_steps,
+            self.accum,
+            compile_cache=str(Path(config["run_dir"]) / "compile_cache"),
         )
         self.position = Position()
         self.saved_step = -1
         self.reporter = Reporter(StepStats(self.world, config["report_interval_s"], self.rank == 0))
-        self.watchdog = HangWatchdog(
-            self.spec["failure"]["hang_timeout_s"], config["run_dir"], self.rank
-        )
-        self.autocast_dtype = torch.bfloat16 if self.train_spec["precision"] == "bf16" else None
+        self.watchdog = HangWatchdog(self.spec["failure"]["hang_timeout_s"], config["run_dir"], self.rank)
 
     # -- checkpoints -------------------------------------------------------------
     def restore(self) -> None:
         import ray.train
 
-        found = ray.train.get_checkpoint()
+        engine, found = self.engine, ray.train.get_checkpoint()
         restored_from, old_world = None, self.world
         if found is not None:
             with found.as_directory() as directory:
                 self.position, old_world = checkpoint.restore(
-                    Path(directory), self.model, self.optimizer, self.scheduler, self.rank
+                    Path(directory), engine.parts, engine.optimizers, engine.schedulers, self.rank
                 )
             restored_from = self.saved_step = self.position.step
             if old_world != self.world:  # same samples read, spread over a new number of ranks
-                self.position.batches_in_epoch = (
-                    self.position.batches_in_epoch * old_world // self.world
-                )
+                self.position.batches_in_epoch = self.position.batches_in_epoch * old_world // self.world
         seed_everything(self.train_spec["seed"] * 7919 + self.rank + 1000 * self.position.step)
         self.reporter.event(
             "attempt_started",
             world_size=self.world,
             restored_step=restored_from,
             previous_world_size=old_world if restored_from is not None else None,
-            parameters=self.parameters,
+            parameters=engine.parameters,
             accumulation=self.accum,
             total_steps=self.total_steps,
             device=str(self.device),
+            parallel=engine.describe(),
         )
         self.reporter.send(self._summary())
 
     def save(self, final: bool = False) -> None:
+        import ray.train
+
         if self.position.step == self.saved_step:  # nothing new since the last checkpoint
             self.reporter.send(self._summary(final=final))
             return
         self.saved_step = self.position.step
+        engine = self.engine
         with tempfile.TemporaryDirectory(prefix="shoal-ckpt-") as tmp:
             checkpoint.save(
                 Path(tmp),
-                self.model,
-                self.optimizer,
-                self.scheduler,
+                engine.parts,
+                engine.optimizers,
+                engine.schedulers[0],
                 self.position,
                 self.rank,
                 self.world,
             )
-            import ray.train
-
             self.reporter.send(
                 self._summary(checkpointed=True, final=final),
                 checkpoint=ray.train.Checkpoint.from_directory(tmp),
@@ -141,30 +130,6 @@ class Trainer:
             )
 
     # -- steps -------------------------------------------------------------------
-    def _autocast(self):
-        if self.autocast_dtype is None:
-            return nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
-
-    def train_step(self, group: list[tuple[int, int, dict[str, torch.Tensor]]]) -> float:
-        self.model.train()
-        loss_sum = 0.0
-        for index, (_, _, batch) in enumerate(group):
-            last = index == len(group) - 1
-            sync = nullcontext() if (last or not self.ddp) else self.model.no_sync()
-            with sync:
-                with self._autocast():
-                    loss, _ = forward_loss(self.model, batch, self.task, self.device)
-                (loss / len(group)).backward()
-            loss_sum += loss.item()
-        clip = self.train_spec["clip_grad_norm"]
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip or float("inf"))
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self._last_grad_norm = float(grad_norm)
-        return loss_sum / len(group)
-
     def _summary(self, **extra: Any) -> dict[str, Any]:
         return {
             "step": self.position.step,
@@ -178,19 +143,12 @@ class Trainer:
     def _evaluate(self) -> None:
         import ray.train
 
-        val = ray.train.get_dataset_shard("val") if self.config["data"]["val"] else None
-        if val is None:
+        if not self.config["data"]["val"]:
             return
-        with self._autocast():
-            results = evaluate(
-                self.model,
-                val,
-                self.task,
-                self.micro,
-                self.device,
-                self.world,
-                max_batches=self.train_spec["eval_batches"],
-            )
+        shard = ray.train.get_dataset_shard("val")
+        results = evaluate(
+            self.engine, shard, self.task, self.micro, self.world, max_batches=self.train_spec["eval_batches"]
+        )
         self.reporter.event("eval", step=self.position.step, **results)
 
     def run(self) -> None:
@@ -208,10 +166,7 @@ class Trainer:
             shuffle_buffer=self.spec["data"]["shuffle_buffer"],
             seed=self.train_spec["seed"],
         )
-        every_ckpt, every_eval = (
-            self.spec["checkpoint"]["every_steps"],
-            self.train_spec["eval_every"],
-        )
+        every_ckpt, every_eval = self.spec["checkpoint"]["every_steps"], self.train_spec["eval_every"]
         self.watchdog.arm()
         started = time.perf_counter()
         group: list = []
@@ -219,18 +174,14 @@ class Trainer:
             group.append(item)
             if len(group) < self.accum:
                 continue
-            local_loss = self.train_step(group)
+            local_loss, weight = self.engine.train_step([self.engine.combine(b) for _, _, b in group])
             epoch, index, _ = group[-1]
             samples = sum(batch_size_of(b) for _, _, b in group) * self.world
-            self.position = Position(
-                self.position.step + 1, epoch, index, self.position.samples + samples
-            )
+            self.position = Position(self.position.step + 1, epoch, index, self.position.samples + samples)
             group = []
-            loss, report_due = self.reporter.stats.reduce(local_loss)
+            loss, report_due = self.reporter.stats.reduce(local_loss, weight)
             if not math.isfinite(loss):
-                self._fail(
-                    f"training loss is {loss} at step {self.position.step} (failure.on_nan: fail)"
-                )
+                self._fail(f"training loss is {loss} at step {self.position.step} (failure.on_nan: fail)")
                 return
             elapsed, started = time.perf_counter() - started, time.perf_counter()
             self._record(loss, samples, elapsed)
@@ -254,13 +205,15 @@ class Trainer:
         record = {
             "step": self.position.step,
             "train/loss": loss,
-            "train/lr": self.scheduler.get_last_lr()[0],
-            "train/grad_norm": self._last_grad_norm,
+            "train/lr": self.engine.lr,
+            "train/grad_norm": self.engine.last_grad_norm,
             "train/samples_per_s": samples / elapsed,
             "train/epoch": self.position.epoch,
         }
         if self.task == "lm":
             record["train/tokens_per_s"] = samples * self.model_seq_len() / elapsed
+        if self.engine.precision.scaler is not None:
+            record["train/skipped_steps"] = self.engine.precision.skipped_steps
         self.reporter.record_step(record)
 
     def model_seq_len(self) -> int:
@@ -282,7 +235,5 @@ def train(config: dict[str, Any]) -> None:
     import ray.train
 
     rank = ray.train.get_context().get_world_rank()
-    write_pid_file(
-        config["run_dir"], rank, attempt_id=os.environ.get("SHOAL_ATTEMPT", uuid.uuid4().hex[:8])
-    )
+    write_pid_file(config["run_dir"], rank, attempt_id=os.environ.get("SHOAL_ATTEMPT", uuid.uuid4().hex[:8]))
     Trainer(config).run()

@@ -29,29 +29,26 @@ def forward_loss(
     return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()), 0
 
 
-@torch.no_grad()
 def evaluate(
-    model: nn.Module,
+    engine: Any,
     shard: Any,
     task: str,
     batch_size: int,
-    device: torch.device,
     world_size: int,
     max_batches: int | None = None,
 ) -> dict[str, float]:
-    """Loss (and accuracy) over this rank's val shard, summed over every rank."""
-    was_training = model.training
-    model.eval()
+    """Loss (and accuracy) over this rank's val shard, summed over every rank.
+
+    Pipelines need every batch the same shape, so they skip a short last batch.
+    """
     totals = torch.zeros(3, dtype=torch.float64)  # loss x n, correct, n
-    for index, batch in enumerate(shard.iter_torch_batches(batch_size=batch_size)):
+    drop_last = engine.pipeline is not None
+    for index, batch in enumerate(shard.iter_torch_batches(batch_size=batch_size, drop_last=drop_last)):
         if max_batches is not None and index >= max_batches:
             break
-        loss, correct = forward_loss(model, batch, task, device)
-        n = batch_size_of(batch)
-        totals += torch.tensor([loss.item() * n, correct, n], dtype=torch.float64)
+        totals += torch.tensor(engine.eval_batch(engine.combine(batch)), dtype=torch.float64)
     if world_size > 1:
         dist.all_reduce(totals)
-    model.train(was_training)
     loss_sum, correct, count = totals.tolist()
     if count == 0:
         return {}

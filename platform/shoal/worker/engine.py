@@ -1,0 +1,209 @@
+"""The training engine: parallel model parts, optimizers, precision and one step.
+
+It knows nothing of Ray: the Ray Train loop (`loop.py`) feeds it batches, and
+the equivalence tests drive the same code under torch.multiprocessing.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from shoal.models import build_model, count_parameters
+from shoal.worker.optim import build_optimizer, build_scheduler
+from shoal.worker.parallel.dims import ParallelDims
+from shoal.worker.parallel.parallelize import parallelize
+from shoal.worker.parallel.pipeline import Pipeline, stage_indices, stage_module, stages_per_rank
+from shoal.worker.precision import Precision
+from shoal.worker.runtime import seed_everything
+from shoal.worker.steps import forward_loss
+
+
+class Engine:
+    def __init__(
+        self,
+        spec: dict[str, Any],
+        task: str,
+        world: int,
+        device: torch.device,
+        total_steps: int,
+        accumulation: int,
+        compile_cache: str | None = None,
+    ):
+        self.spec, self.task, self.device, self.accumulation = spec, task, device, accumulation
+        train, parallel = spec["train"], spec["parallel"]
+        self.dims = ParallelDims.from_spec(parallel, world)
+        self.mesh = self.dims.build_mesh(device.type) if world > 1 else None
+        self.precision = Precision(train["precision"], device, self.dims.uses_fsdp)
+        seed_everything(train["seed"])  # identical initial weights on every rank
+        model = build_model(spec["model"])
+        self.parameters = count_parameters(model)
+        self.precision.prepare(model)
+        parts, indices = self._split(model)
+        self.parts = [
+            parallelize(
+                part.to(device),
+                self.dims,
+                self.mesh,
+                device,
+                activation_checkpointing=train["activation_checkpointing"],
+                compile_model=train["compile"],
+                compile_cache=compile_cache,
+                fsdp_param_dtype=self.precision.fsdp_param_dtype,
+            )
+            for part in parts
+        ]
+        self.pipeline = self._pipeline(indices) if self.dims.pp > 1 else None
+        self.optimizers = [build_optimizer(part, train["optimizer"]) for part in self.parts]
+        self.schedulers = [build_scheduler(o, total_steps, train["schedule"]) for o in self.optimizers]
+        self.mp_group, self.mp_ranks = (None, [dist.get_rank()] if world > 1 else [0])
+        if self.dims.model_parallel > 1:
+            self.mp_group, self.mp_ranks = self.dims.model_parallel_groups(self.mesh)
+        self.last_grad_norm = 0.0
+
+    # -- construction -------------------------------------------------------------
+    def _split(self, model: nn.Module) -> tuple[list[nn.Module], list[int]]:
+        if self.dims.pp == 1:
+            return [model], [0]
+        schedule = self.spec["parallel"]["pp_schedule"]
+        pp_rank = self.mesh["pp"].get_local_rank()
+        indices = stage_indices(pp_rank, self.dims.pp, schedule)
+        num_stages = self.dims.pp * stages_per_rank(schedule)
+        return [stage_module(model, i, num_stages) for i in indices], indices
+
+    def _pipeline(self, indices: list[int]) -> Pipeline:
+        parallel = self.spec["parallel"]
+        schedule = parallel["pp_schedule"]
+        num_stages = self.dims.pp * stages_per_rank(schedule)
+
+        def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            return loss / self.accumulation
+
+        microbatches = parallel["microbatches"] or num_stages
+        return Pipeline(
+            self.parts,
+            indices,
+            num_stages,
+            self.device,
+            self.mesh["pp"].get_group(),
+            schedule,
+            microbatches,
+            loss_fn,
+        )
+
+    # -- data -----------------------------------------------------------------------
+    def combine(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Ranks that share a data-parallel slot (tp x pp) train on the union of their reads."""
+        if self.mp_group is None:
+            return batch
+        combined = {}
+        for key, tensor in batch.items():
+            pieces = [torch.empty_like(tensor) for _ in self.mp_ranks]
+            dist.all_gather(pieces, tensor.contiguous(), group=self.mp_group)
+            combined[key] = torch.cat(pieces)
+        return combined
+
+    # -- steps ----------------------------------------------------------------------
+    def _sync_context(self, last: bool) -> Any:
+        part = self.parts[0]
+        if self.dims.uses_fsdp:
+            part.set_requires_gradient_sync(last)
+        elif self.dims.uses_ddp and not last:
+            return part.no_sync()
+        return nullcontext()
+
+    def train_step(self, group: list[dict[str, torch.Tensor]]) -> tuple[float, float]:
+        """Forward/backward over the micro-batches of one optimizer step, then the step.
+
+        Returns this rank's mean loss and its weight (0 on pipeline stages that have no loss).
+        """
+        for part in self.parts:
+            part.train()
+        if self.pipeline is not None:
+            losses = []
+            for batch in group:
+                tokens = batch["tokens"].to(self.device).long()
+                losses += [
+                    x.item() * self.accumulation for x in self.pipeline.step(tokens[:, :-1], tokens[:, 1:])
+                ]
+            loss, weight = (sum(losses) / len(losses), 1.0) if losses else (0.0, 0.0)
+        else:
+            total = 0.0
+            for index, batch in enumerate(group):
+                with self._sync_context(index == len(group) - 1):
+                    with self.precision.autocast():
+                        step_loss, _ = forward_loss(self.parts[0], batch, self.task, self.device)
+                    self.precision.backward(step_loss / len(group))
+                total += step_loss.item()
+            loss, weight = total / len(group), 1.0
+        self._optimizer_step()
+        return loss, weight
+
+    def _optimizer_step(self) -> None:
+        self.precision.unscale(self.optimizers)
+        clip = self.spec["train"]["clip_grad_norm"]
+        self.last_grad_norm = clip_grad_norm(self.parts, clip, self.mesh, self.dims)
+        self.precision.step(self.optimizers)
+        for scheduler in self.schedulers:
+            scheduler.step()
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+
+    @torch.no_grad()
+    def eval_batch(self, batch: dict[str, torch.Tensor]) -> tuple[float, float, float]:
+        """(loss x samples, correct, samples) for this rank; zeros on loss-less pipeline stages."""
+        for part in self.parts:
+            part.eval()
+        samples = len(next(iter(batch.values())))
+        if self.pipeline is not None:
+            tokens = batch["tokens"].to(self.device).long()
+            losses = self.pipeline.evaluate(tokens[:, :-1], tokens[:, 1:])
+            if not losses:
+                return 0.0, 0.0, 0.0
+            return sum(x.item() for x in losses) * self.accumulation / len(losses) * samples, 0.0, samples
+        with self.precision.autocast():
+            loss, correct = forward_loss(self.parts[0], batch, self.task, self.device)
+        return loss.item() * samples, float(correct), samples
+
+    @property
+    def lr(self) -> float:
+        return self.schedulers[0].get_last_lr()[0]
+
+    def describe(self) -> dict[str, Any]:
+        d = self.dims
+        return {
+            "pp": d.pp,
+            "dp_replicate": d.dp_replicate,
+            "dp_shard": d.dp_shard,
+            "tp": d.tp,
+            "precision": self.precision.name,
+        }
+
+
+def clip_grad_norm(parts: list[nn.Module], max_norm: float | None, mesh: Any, dims: ParallelDims) -> float:
+    """Global gradient norm over every rank's shard (and every pipeline stage); clips if asked."""
+    grads = [p.grad for part in parts for p in part.parameters() if p.grad is not None]
+    by_mesh: dict[Any, list[torch.Tensor]] = {}
+    for grad in grads:
+        by_mesh.setdefault(getattr(grad, "device_mesh", None), []).append(grad)
+    squared = torch.zeros((), dtype=torch.float64)
+    for group_mesh, tensors in by_mesh.items():
+        norm = torch.nn.utils.get_total_norm(tensors)
+        if group_mesh is not None:
+            norm = norm.full_tensor()
+        squared += norm.double().cpu() ** 2
+    if dims.pp > 1:
+        dist.all_reduce(squared, group=mesh["pp"].get_group())
+    total = math.sqrt(squared.item())
+    if max_norm is not None and total > max_norm:
+        coefficient = max_norm / (total + 1e-6)
+        for grad in grads:
+            grad.mul_(coefficient)
+    return total

@@ -1,0 +1,162 @@
+"""Runs the real worker Engine on N gloo ranks (torch.multiprocessing), no Ray.
+
+Every rank reads its own slice of fixed global batches, the way Ray Data splits
+rows; ranks that share a data-parallel slot (tp x pp) rebuild the slot's batch
+through `Engine.combine`. Each rank writes its losses, full weights and shard
+sizes to `out_dir/rank{r}.pt`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+STEPS, GLOBAL_BATCH, SEQ = 3, 8, 16
+
+
+def gpt_spec(
+    parallel: dict[str, Any],
+    precision: str = "fp32",
+    accumulation: int = 1,
+    activation_checkpointing: str = "none",
+    compile_model: bool = False,
+) -> dict[str, Any]:
+    return {
+        "model": {
+            "family": "gpt",
+            "args": {"n_layers": 4, "d_model": 32, "n_heads": 4, "seq_len": SEQ, "tie_embeddings": False},
+        },
+        "train": {
+            "seed": 3,
+            "precision": precision,
+            "activation_checkpointing": activation_checkpointing,
+            "compile": compile_model,
+            "clip_grad_norm": 1.0,
+            # SGD with momentum: sharded optimizer state, without Adam's amplification of
+            # float-level noise in near-zero gradients (which would blur the comparison).
+            "optimizer": {
+                "name": "sgd",
+                "lr": 0.5,
+                "weight_decay": 0.1,
+                "betas": [0.9, 0.99],
+                "momentum": 0.9,
+            },
+            "schedule": {"warmup_steps": 1, "decay": "cosine", "min_lr_ratio": 0.1},
+            "accumulation": accumulation,
+        },
+        "parallel": {
+            "strategy": None,
+            "dp_replicate": None,
+            "dp_shard": None,
+            "tp": None,
+            "pp": None,
+            "pp_schedule": "1f1b",
+            "microbatches": None,
+            **parallel,
+        },
+    }
+
+
+def global_batches() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1234)
+    return [torch.randint(0, 256, (GLOBAL_BATCH, SEQ + 1), generator=generator) for _ in range(STEPS)]
+
+
+def _slot_of(engine: Any, rank: int) -> tuple[int, int, int, int]:
+    """(data-parallel slot, slots, index within the slot's model-parallel group, group size)."""
+    dims = engine.dims
+    if engine.mesh is None:
+        return 0, 1, 0, 1
+    replicate = engine.mesh["dp_replicate"].get_local_rank()
+    shard = engine.mesh["dp_shard"].get_local_rank()
+    return replicate * dims.dp_shard + shard, dims.dp, engine.mp_ranks.index(rank), len(engine.mp_ranks)
+
+
+def _my_rows(batch: torch.Tensor, slot: int, slots: int, member: int, members: int) -> torch.Tensor:
+    rows = batch.shape[0] // slots
+    mine = batch[slot * rows : (slot + 1) * rows]
+    part = rows // members
+    return mine[member * part : (member + 1) * part]
+
+
+def run_rank(rank: int, world: int, port: int, spec: dict[str, Any], out_dir: str) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from shoal.worker.engine import Engine
+    from shoal.worker.parallel.dims import local_numel
+    from shoal.worker.reporting import StepStats
+
+    torch.set_num_threads(1)
+    if world > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    accumulation = spec["train"]["accumulation"]
+    engine = Engine(
+        spec,
+        "lm",
+        world,
+        torch.device("cpu"),
+        total_steps=STEPS,
+        accumulation=accumulation,
+        compile_cache=str(Path(out_dir) / "compile_cache"),
+    )
+    stats = StepStats(world, interval_s=1e9, is_rank0=rank == 0)
+    slot, slots, member, members = _slot_of(engine, rank)
+    losses = []
+    for batch in global_batches():
+        rows = _my_rows(batch, slot, slots, member, members)
+        micro = [{"tokens": chunk} for chunk in rows.chunk(accumulation)]
+        loss, weight = engine.train_step([engine.combine(b) for b in micro])
+        losses.append(stats.reduce(loss, weight)[0])
+    full = StateDictOptions(full_state_dict=True)
+    weights = {}
+    for part in engine.parts:
+        weights.update({k: v.detach().clone() for k, v in get_model_state_dict(part, options=full).items()})
+    local_params = sum(local_numel(p) for part in engine.parts for p in part.parameters())
+    local_optim = sum(
+        local_numel(v)
+        for o in engine.optimizers
+        for s in o.state.values()
+        for v in s.values()
+        if torch.is_tensor(v) and v.dim() > 0
+    )
+    torch.save(
+        {
+            "losses": losses,
+            "weights": weights,
+            "local_params": local_params,
+            "local_optim": local_optim,
+            "parameters": engine.parameters,
+        },
+        Path(out_dir) / f"rank{rank}.pt",
+    )
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run(spec: dict[str, Any], world: int, out_dir: Path) -> list[dict[str, Any]]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if world == 1:
+        run_rank(0, 1, 0, spec, str(out_dir))
+    else:
+        mp.start_processes(
+            run_rank,
+            args=(world, free_port(), spec, str(out_dir)),
+            nprocs=world,
+            start_method="spawn",
+            join=True,
+        )
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
