@@ -133,6 +133,7 @@ def run_rank(rank: int, world: int, port: int, spec: dict[str, Any], out_dir: st
             "local_params": local_params,
             "local_optim": local_optim,
             "parameters": engine.parameters,
+            "skipped": engine.precision.skipped_steps,
         },
         Path(out_dir) / f"rank{rank}.pt",
     )
