@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.shoal-installed
 
-.PHONY: run test lint format clean
+.PHONY: run test bench lint format clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,3 +29,6 @@ format: $(STAMP)
 
 clean:
 	rm -rf $(VENV) shoal_runs mlflow.db mlruns .pytest_cache
+
+bench: $(STAMP)
+	$(BIN)/python bench/run.py --repeats 3

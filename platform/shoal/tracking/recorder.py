@@ -69,11 +69,12 @@ class Recorder:
     def _log_steps(self, steps: list[dict[str, float]]) -> None:
         rows = []
         for record in steps:
-            step = int(record["step"])
-            self.state.latest = {k: v for k, v in record.items() if k != "step"}
+            step, ended = int(record["step"]), record.get("time")
+            values = {k: v for k, v in record.items() if k not in ("step", "time")}
+            self.state.latest = values
             if step <= self.logged_until:
                 continue
-            rows += [(key, value, step) for key, value in record.items() if key != "step"]
+            rows += [(key, value, step, ended) for key, value in values.items()]
             self.logged_until = step
         if rows:
             self.run.log_metrics(rows)

@@ -170,7 +170,8 @@ class Trainer:
         self.watchdog.arm()
         started = time.perf_counter()
         group: list = []
-        for item in stream:
+        self.data_wait = 0.0
+        for item in self._timed(stream):
             group.append(item)
             if len(group) < self.accum:
                 continue
@@ -201,13 +202,26 @@ class Trainer:
             self.save(final=True)
         self.watchdog.disarm()
 
+    def _timed(self, stream: Any) -> Any:
+        """The stream, adding the time spent waiting for each item to `self.data_wait`."""
+        iterator = iter(stream)
+        while True:
+            waited = time.perf_counter()
+            item = next(iterator, None)
+            self.data_wait += time.perf_counter() - waited
+            if item is None:
+                return
+            yield item
+
     def _record(self, loss: float, samples: int, elapsed: float) -> None:
         record = {
             "step": self.position.step,
+            "time": time.time(),  # when the step ended: MLflow's timestamp for this step's points
             "train/loss": loss,
             "train/lr": self.engine.lr,
             "train/grad_norm": self.engine.last_grad_norm,
             "train/samples_per_s": samples / elapsed,
+            "train/data_wait_share": self.data_wait / elapsed,  # of this step's wall time
             "train/epoch": self.position.epoch,
         }
         if self.task == "lm":
@@ -215,6 +229,7 @@ class Trainer:
         if self.engine.precision.scaler is not None:
             record["train/skipped_steps"] = self.engine.precision.skipped_steps
         self.reporter.record_step(record)
+        self.data_wait = 0.0
 
     def model_seq_len(self) -> int:
         return int(self.spec["model"]["args"].get("seq_len", 128))

@@ -1,0 +1,41 @@
+"""What every contender trains, identically: the ~10M-parameter byte GPT on pytext.
+
+The peers import only torch/ray/pyarrow and this file; the model is the same
+torch module shoal uses, so the comparison measures the platforms, not models.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+GPT_ARGS = {"n_layers": 6, "d_model": 384, "n_heads": 6, "vocab_size": 256, "seq_len": 256}
+MICRO_BATCH = 4  # sequences per worker per step (no accumulation)
+WORKERS = 2
+WARMUP_STEPS = 5  # excluded from steady state
+LR = 1e-3
+
+
+def data_dir() -> Path:
+    from shoal.data import prepare
+
+    return prepare("pytext", seq_len=GPT_ARGS["seq_len"])
+
+
+def steady_tokens_per_s(step_ends: list[float], tokens_per_step: int) -> float:
+    """Median over steps after warm-up of tokens / step wall time."""
+    durations = [b - a for a, b in zip(step_ends[WARMUP_STEPS:], step_ends[WARMUP_STEPS + 1 :], strict=False)]
+    return tokens_per_step / statistics.median(durations)
+
+
+def write_result(path: str | None, **fields: float) -> None:
+    if path:
+        Path(path).write_text(json.dumps(fields))
+
+
+def process_start() -> float:
+    """Wall-clock time this contender was launched (set by the bench runner)."""
+    return float(os.environ.get("BENCH_START", time.time()))
