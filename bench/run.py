@@ -145,6 +145,9 @@ def main() -> None:
                     result = run_one(name, precision, args.steps, Path(tmp), f"r{repeat}")
                     print(f"{precision} r{repeat} {name}: {result}", flush=True)
                     results.setdefault(precision, {}).setdefault(name, []).append(result)
+                    Path(args.out).with_suffix(".json").write_text(
+                        json.dumps(results)
+                    )  # kept if a later run fails
         extra: dict[str, list[dict]] = {"data": [], "shoal-1-worker": []}
         for repeat in range(args.repeats):
             for name, runs in extra.items():
@@ -201,7 +204,7 @@ def render(results: dict, args: argparse.Namespace) -> str:
 
 def render_extra(fp32: dict[str, list[dict]], extra: dict[str, list[dict]]) -> str:
     per_worker = [r["tokens_per_s"] / 256 / 2 for r in fp32["shoal"]]  # rows/s each worker consumes
-    headroom = [d["rows_per_s"] / c for d, c in zip(extra["data"], per_worker, strict=True)]
+    headroom = [d["rows_per_s"] / c for d, c in zip(extra["data"], per_worker, strict=False)]
     lines = [
         "",
         "## Data pipeline",
