@@ -26,40 +26,23 @@ WARMUP_STEPS = 5
 
 def commands(precision: str, steps: int, out: Path) -> dict[str, list[str]]:
     common = ["--steps", str(steps), "--precision", precision, "--out", str(out)]
+    torchrun = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2"]
+    shoal = [
+        str(BIN / "shoal"),
+        "run",
+        str(REPO / "bench" / "gpt_bench.yaml"),
+        "--run-name",
+        out.stem,
+        "--set",
+        f"train.max_steps={steps}",
+        "--set",
+        f"train.precision={precision}",
+    ]
     return {
-        "torchrun": [
-            str(BIN / "torchrun"),
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            str(REPO / "bench" / "torchrun_ddp.py"),
-            *common,
-        ],
+        "torchrun": [*torchrun, str(REPO / "bench" / "torchrun_ddp.py"), *common],
         "ray": [sys.executable, str(REPO / "bench" / "ray_train_bare.py"), *common],
-        "shoal": [
-            str(BIN / "shoal"),
-            "run",
-            str(REPO / "bench" / "gpt_bench.yaml"),
-            "--set",
-            f"train.max_steps={steps}",
-            "--set",
-            f"train.precision={precision}",
-            "--run-name",
-            out.stem,
-        ],
-        "shoal-1-worker": [
-            str(BIN / "shoal"),
-            "run",
-            str(REPO / "bench" / "gpt_bench.yaml"),
-            "--set",
-            f"train.max_steps={steps}",
-            "--set",
-            f"train.precision={precision}",
-            "--set",
-            "scaling.workers=1",
-            "--run-name",
-            out.stem,
-        ],
+        "shoal": shoal,
+        "shoal-1-worker": [*shoal, "--set", "scaling.workers=1"],
         "data": [sys.executable, str(REPO / "bench" / "data_pipeline.py"), "--out", str(out)],
     }
 

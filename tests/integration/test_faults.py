@@ -37,21 +37,28 @@ def loss_steps(client: MlflowClient, run_id: str) -> list[int]:
     return sorted(m.step for m in client.get_metric_history(run_id, "train/loss"))
 
 
-def test_sigkilled_worker_restarts_from_checkpoint(workdir: Path) -> None:
-    overrides = ["train.max_steps=300", "checkpoint.every_steps=50", "train.eval_every=100"]
+def sigkill_worker_mid_run(
+    workdir: Path, overrides: list[str], run_name: str, after_checkpoint: str, rank: int
+) -> tuple[RunResult, int]:
+    """Run the quickstart in a thread, SIGKILL `rank` once `after_checkpoint` is committed."""
     outcome: dict[str, RunResult] = {}
     runner = threading.Thread(
-        target=lambda: outcome.update(result=run_workload(workdir, quickstart(), overrides, "killed"))
+        target=lambda: outcome.update(result=run_workload(workdir, quickstart(), overrides, run_name))
     )
     runner.start()
-    run_dir = workdir / "shoal_runs" / "killed"
-    wait_for(lambda: registered(run_dir, "checkpoint-00000100"), 240, "the step-100 checkpoint")
-    victim = json.loads((run_dir / "workers" / "rank1.json").read_text())
-    os.kill(victim["pid"], signal.SIGKILL)
+    run_dir = workdir / "shoal_runs" / run_name
+    wait_for(lambda: registered(run_dir, after_checkpoint), 240, after_checkpoint)
+    victim = json.loads((run_dir / "workers" / f"rank{rank}.json").read_text())["pid"]
+    os.kill(victim, signal.SIGKILL)
     runner.join(timeout=400)
     assert not runner.is_alive()
+    return outcome["result"], victim
 
-    result = outcome["result"]
+
+def test_sigkilled_worker_restarts_from_checkpoint(workdir: Path) -> None:
+    overrides = ["train.max_steps=300", "checkpoint.every_steps=50", "train.eval_every=100"]
+    result, victim = sigkill_worker_mid_run(workdir, overrides, "killed", "checkpoint-00000100", rank=1)
+    run_dir = workdir / "shoal_runs" / "killed"
     assert result.ok, result.reason
     assert result.step == 300 and result.restarts >= 1
     client = MlflowClient(result.tracking_uri)
@@ -65,7 +72,7 @@ def test_sigkilled_worker_restarts_from_checkpoint(workdir: Path) -> None:
     assert restored[0] is None and restored[-1] >= 100
     assert loss_steps(client, result.run_id) == list(range(1, 301))
     new_rank1 = json.loads((run_dir / "workers" / "rank1.json").read_text())
-    assert new_rank1["pid"] != victim["pid"]
+    assert new_rank1["pid"] != victim
 
 
 def shoal_cli(args: list[str], cwd: Path) -> subprocess.Popen:
@@ -124,16 +131,7 @@ def test_ctrl_c_then_same_run_name_resumes(workdir: Path, ray_cluster: str) -> N
 
 def test_restarts_are_bounded_by_max_restarts(workdir: Path) -> None:
     overrides = ["train.max_steps=2000", "checkpoint.every_steps=50", "failure.max_restarts=0"]
-    outcome: dict[str, RunResult] = {}
-    runner = threading.Thread(
-        target=lambda: outcome.update(result=run_workload(workdir, quickstart(), overrides, "bounded"))
-    )
-    runner.start()
-    run_dir = workdir / "shoal_runs" / "bounded"
-    wait_for(lambda: registered(run_dir, "checkpoint-00000050"), 240, "the first checkpoint")
-    os.kill(json.loads((run_dir / "workers" / "rank0.json").read_text())["pid"], signal.SIGKILL)
-    runner.join(timeout=300)
-    result = outcome["result"]
+    result, _ = sigkill_worker_mid_run(workdir, overrides, "bounded", "checkpoint-00000050", rank=0)
     assert result.status == "FAILED" and result.restarts == 0
     assert "worker rank" in result.reason
     assert MlflowClient(result.tracking_uri).get_run(result.run_id).info.status == "FAILED"

@@ -6,6 +6,7 @@ before anything is launched.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from shoal.data import DataError, DataPlan, plan_data
@@ -153,8 +154,6 @@ def check_storage(workload: Workload, source: Source) -> list[SpecIssue]:
         probe = probe.parent
     if not probe.is_dir():
         return [_issue(source, "checkpoint.storage", f"'{storage}' is not a directory")]
-    import os
-
     if not os.access(probe, os.W_OK):
         return [_issue(source, "checkpoint.storage", f"'{storage}' is not writable")]
     return []

@@ -90,13 +90,10 @@ class TrackedRun:
     uri: str = ""
     params_changed: list[str] = field(default_factory=list)
 
-    def log_metrics(self, rows: list[tuple]) -> None:
-        """Rows of (key, value, step) or (key, value, step, unix time the value was measured)."""
+    def log_metrics(self, rows: list[tuple[str, float, int, float | None]]) -> None:
+        """Rows of (key, value, step, unix time it was measured, or None for now)."""
         now = time.time()
-        metrics = [
-            Metric(row[0], float(row[1]), int(1000 * (row[3] if len(row) > 3 and row[3] else now)), row[2])
-            for row in rows
-        ]
+        metrics = [Metric(key, float(value), int(1000 * (at or now)), step) for key, value, step, at in rows]
         for start in range(0, len(metrics), 1000):
             self.client.log_batch(self.run_id, metrics=metrics[start : start + 1000])
 

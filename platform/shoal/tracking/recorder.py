@@ -86,7 +86,7 @@ class Recorder:
             values = {k: v for k, v in event.items() if k.startswith("val/")}
             self.state.evals = values
             if step not in self.logged_evals:
-                self.run.log_metrics([(k, v, step) for k, v in values.items()])
+                self.run.log_metrics([(k, v, step, event.get("time")) for k, v in values.items()])
                 self.logged_evals.add(step)
             return
         self.state.events.append(event)
@@ -109,7 +109,7 @@ class Recorder:
         }
         self.run.set_tags(tags)
         restored = event.get("restored_step")
-        self.run.log_metrics([("attempt", float(self.state.attempts), restored or 0)])
+        self.run.log_metrics([("attempt", float(self.state.attempts), restored or 0, event.get("time"))])
 
     def _checkpoint(self, path: str, summary: dict[str, Any]) -> None:
         self.state.checkpoints.append(path)

@@ -16,7 +16,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -116,8 +115,3 @@ def restore(
     if rng_file.exists():  # absent when the world grew: the new rank keeps its fresh seed
         _set_rng_state(torch.load(rng_file, weights_only=False))
     return Position(**state["position"]), state["world_size"]
-
-
-def barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()

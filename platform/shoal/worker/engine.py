@@ -135,14 +135,14 @@ class Engine:
                 ]
             loss, weight = (sum(losses) / len(losses), 1.0) if losses else (0.0, 0.0)
         else:
-            total = 0.0
+            total = torch.zeros((), device=self.device)
             for index, batch in enumerate(group):
                 with self._sync_context(index == len(group) - 1):
                     with self.precision.autocast():
                         step_loss, _ = forward_loss(self.parts[0], batch, self.task, self.device)
                     self.precision.backward(step_loss / len(group))
-                total += step_loss.item()
-            loss, weight = total / len(group), 1.0
+                total += step_loss.detach()
+            loss, weight = total.item() / len(group), 1.0  # one device sync per step
         self._optimizer_step()
         return loss, weight
 

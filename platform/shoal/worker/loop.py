@@ -176,7 +176,7 @@ class Trainer:
             if len(group) < self.accum:
                 continue
             local_loss, weight = self.engine.train_step([self.engine.combine(b) for _, _, b in group])
-            epoch, index, _ = group[-1]
+            epoch, index, last = group[-1]
             samples = sum(batch_size_of(b) for _, _, b in group) * self.world
             self.position = Position(self.position.step + 1, epoch, index, self.position.samples + samples)
             group = []
@@ -185,7 +185,7 @@ class Trainer:
                 self._fail(f"training loss is {loss} at step {self.position.step} (failure.on_nan: fail)")
                 return
             elapsed, started = time.perf_counter() - started, time.perf_counter()
-            self._record(loss, samples, elapsed)
+            self._record(loss, samples, elapsed, predicted_per_sample=self._predicted(last))
             step, done = self.position.step, self.position.step >= self.total_steps
             if done or (every_eval and step % every_eval == 0):
                 self._evaluate()
@@ -213,7 +213,11 @@ class Trainer:
                 return
             yield item
 
-    def _record(self, loss: float, samples: int, elapsed: float) -> None:
+    def _predicted(self, batch: dict[str, torch.Tensor]) -> int:
+        """Tokens predicted per sample: a window of T+1 tokens trains T next-token predictions."""
+        return batch["tokens"].shape[1] - 1 if self.task == "lm" else 0
+
+    def _record(self, loss: float, samples: int, elapsed: float, predicted_per_sample: int) -> None:
         record = {
             "step": self.position.step,
             "time": time.time(),  # when the step ended: MLflow's timestamp for this step's points
@@ -225,14 +229,11 @@ class Trainer:
             "train/epoch": self.position.epoch,
         }
         if self.task == "lm":
-            record["train/tokens_per_s"] = samples * self.model_seq_len() / elapsed
+            record["train/tokens_per_s"] = samples * predicted_per_sample / elapsed
         if self.engine.precision.scaler is not None:
             record["train/skipped_steps"] = self.engine.precision.skipped_steps
         self.reporter.record_step(record)
         self.data_wait = 0.0
-
-    def model_seq_len(self) -> int:
-        return int(self.spec["model"]["args"].get("seq_len", 128))
 
     def _fail(self, reason: str) -> None:
         """A failure that a restart cannot fix: tell the driver, then stop cleanly."""

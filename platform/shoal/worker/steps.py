@@ -16,17 +16,18 @@ def batch_size_of(batch: dict[str, torch.Tensor]) -> int:
 
 def forward_loss(
     model: nn.Module, batch: dict[str, torch.Tensor], task: str, device: torch.device
-) -> tuple[torch.Tensor, int]:
-    """Mean loss over the batch, and the number of correct predictions (classify only)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean loss over the batch, and the number of correct predictions (classify only) as a
+    tensor, so that training, which ignores it, does not wait on the device for it."""
     if task == "classify":
         x = batch["x"].to(device, dtype=torch.float32, non_blocking=True)
         y = batch["y"].to(device, dtype=torch.long, non_blocking=True)
         logits = model(x)
-        correct = int((logits.argmax(dim=-1) == y).sum())
+        correct = (logits.argmax(dim=-1) == y).sum()
         return F.cross_entropy(logits.float(), y), correct
     tokens = batch["tokens"].to(device, non_blocking=True).long()
     logits = model(tokens[:, :-1])
-    return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()), 0
+    return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()), torch.zeros(())
 
 
 def evaluate(

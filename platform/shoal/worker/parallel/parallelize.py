@@ -14,8 +14,6 @@ from typing import Any
 import torch
 from torch import nn
 
-AC_MODES = ("none", "full", "selective")
-
 
 def tensor_parallel_plan() -> dict[str, Any]:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
@@ -28,10 +26,6 @@ def tensor_parallel_plan() -> dict[str, Any]:
         "mlp.up": ColwiseParallel(),
         "mlp.down": RowwiseParallel(),
     }
-
-
-def supports_tensor_parallel(model: nn.Module) -> bool:
-    return isinstance(getattr(model, "blocks", None), nn.ModuleDict) and hasattr(model, "n_heads")
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: Any) -> None:

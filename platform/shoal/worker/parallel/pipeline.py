@@ -15,8 +15,6 @@ from typing import Any
 import torch
 from torch import nn
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-
 
 def stages_per_rank(schedule: str) -> int:
     return 2 if schedule == "interleaved_1f1b" else 1
