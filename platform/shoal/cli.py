@@ -7,9 +7,14 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.markup import escape
+
+if TYPE_CHECKING:
+    from shoal.launch import RunOptions
+    from shoal.spec import LoadedWorkload
 
 EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 console = Console(highlight=False)
@@ -33,6 +38,14 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--address", help="Ray cluster to attach to (HOST:PORT); default: start a local Ray")
     run.add_argument("--run-name", help="name of the run; reuse it to resume that run")
     run.add_argument("--verbose", action="store_true", help="show Ray's own logs in the terminal")
+
+    resume = commands.add_parser("resume", help="resume an MLflow run from its latest checkpoint")
+    resume.add_argument("run_id", help="the MLflow run id that `shoal run` printed")
+    resume.add_argument(
+        "--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or ./mlflow.db)"
+    )
+    resume.add_argument("--address", help="Ray cluster to attach to (HOST:PORT); default: start a local Ray")
+    resume.add_argument("--verbose", action="store_true", help="show Ray's own logs in the terminal")
 
     validate = commands.add_parser("validate", help="check a workload without running it")
     validate.add_argument("file")
@@ -91,12 +104,44 @@ def cmd_data(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from shoal.launch import RunOptions, run
-    from shoal.launch.progress import TerminalProgress, summary_table
+    from shoal.launch import RunOptions
     from shoal.spec import load
 
     loaded = load(args.file, args.overrides, prepare_data=True)
-    options = RunOptions(address=args.address, run_name=args.run_name, verbose=args.verbose)
+    return _train(loaded, RunOptions(address=args.address, run_name=args.run_name, verbose=args.verbose))
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    """Re-run what an MLflow run recorded (its resolved workload, its checkpoint location)."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from shoal.launch import RunOptions
+    from shoal.spec import load
+    from shoal.tracking import resolve_uri
+    from shoal.tracking.mlflow_run import recorded_job
+
+    uri = resolve_uri(args.tracking_uri)
+    job = recorded_job(uri, args.run_id)
+    if job.status == "FINISHED":
+        return _user_error(f"MLflow run {args.run_id} ({job.run_name}) already FINISHED; nothing to resume")
+    if job.cwd and Path(job.cwd).is_dir():
+        os.chdir(job.cwd)  # relative paths in the recorded spec mean what they meant then
+    storage = job.run_dir.rsplit("/", 1)[0]
+    overrides = [f"checkpoint.storage={storage}", f"tracking.uri={uri}"]
+    with tempfile.TemporaryDirectory(prefix="shoal-resume-") as tmp:
+        spec_file = Path(tmp) / f"{job.run_name}.yaml"
+        spec_file.write_text(job.spec_yaml)
+        loaded = load(spec_file, overrides, prepare_data=True)
+    console.print(f"resuming {job.run_name} (MLflow run {job.run_id}) from {job.run_dir}")
+    return _train(loaded, RunOptions(address=args.address, run_name=job.run_name, verbose=args.verbose))
+
+
+def _train(loaded: LoadedWorkload, options: RunOptions) -> int:
+    from shoal.launch import run
+    from shoal.launch.progress import TerminalProgress, summary_table
+
     with TerminalProgress(console) as progress:
         result = run(loaded, options, progress)
     console.print(summary_table(result))
@@ -110,18 +155,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from shoal.data import DataError
     from shoal.launch import ClusterError
+    from shoal.launch.storage import StorageError
     from shoal.models import ModelError
     from shoal.spec import SpecError
     from shoal.tracking import TrackingError
 
-    handlers = {"run": cmd_run, "validate": cmd_validate, "data": cmd_data}
+    handlers = {"run": cmd_run, "resume": cmd_resume, "validate": cmd_validate, "data": cmd_data}
     try:
         return handlers[args.command](args)
     except SpecError as exc:
         for issue in exc.issues:
             errors.print(f"[red]error:[/] {escape(str(issue))}", soft_wrap=True)
         return EXIT_USAGE
-    except (DataError, ClusterError, TrackingError, ModelError) as exc:
+    except (DataError, ClusterError, StorageError, TrackingError, ModelError) as exc:
         return _user_error(str(exc))
     except KeyboardInterrupt:
         errors.print("interrupted")

@@ -86,8 +86,13 @@ def _my_rows(batch: torch.Tensor, slot: int, slots: int, member: int, members: i
 
 
 def run_rank(rank: int, world: int, port: int, spec: dict[str, Any], out_dir: str) -> None:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
 
+    from shoal.worker import checkpoint
     from shoal.worker.engine import Engine
     from shoal.worker.parallel.dims import local_numel
     from shoal.worker.reporting import StepStats
@@ -109,15 +114,24 @@ def run_rank(rank: int, world: int, port: int, spec: dict[str, Any], out_dir: st
     stats = StepStats(world, interval_s=1e9, is_rank0=rank == 0)
     slot, slots, member, members = _slot_of(engine, rank)
     losses = []
-    for batch in global_batches():
-        rows = _my_rows(batch, slot, slots, member, members)
-        micro = [{"tokens": chunk} for chunk in rows.chunk(accumulation)]
-        loss, weight = engine.train_step([engine.combine(b) for b in micro])
-        losses.append(stats.reduce(loss, weight)[0])
+    io = spec.get("checkpoint_io", {})
+    if io.get("mode") == "load":  # resharding: a checkpoint written at another world size
+        checkpoint.restore(Path(io["dir"]), engine.parts, engine.optimizers, engine.schedulers, rank)
+    else:
+        for batch in global_batches():
+            rows = _my_rows(batch, slot, slots, member, members)
+            micro = [{"tokens": chunk} for chunk in rows.chunk(accumulation)]
+            loss, weight = engine.train_step([engine.combine(b) for b in micro])
+            losses.append(stats.reduce(loss, weight)[0])
+    if io.get("mode") == "save":
+        state = {"world_size": world, "scheduler": engine.schedulers[0].state_dict()} if rank == 0 else None
+        checkpoint.save(Path(io["dir"]), engine.parts, engine.optimizers, rank, state)
     full = StateDictOptions(full_state_dict=True)
-    weights = {}
-    for part in engine.parts:
+    weights, optim = {}, {}
+    flat_full = StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)
+    for part, optimizer in zip(engine.parts, engine.optimizers, strict=True):
         weights.update({k: v.detach().clone() for k, v in get_model_state_dict(part, options=full).items()})
+        optim.update(get_optimizer_state_dict(part, optimizer, options=flat_full))
     local_params = sum(local_numel(p) for part in engine.parts for p in part.parameters())
     local_optim = sum(
         local_numel(v)
@@ -130,6 +144,8 @@ def run_rank(rank: int, world: int, port: int, spec: dict[str, Any], out_dir: st
         {
             "losses": losses,
             "weights": weights,
+            "optim": {k: v.clone() if torch.is_tensor(v) else v for k, v in optim.items()},
+            "lr": engine.lr,
             "local_params": local_params,
             "local_optim": local_optim,
             "parameters": engine.parameters,

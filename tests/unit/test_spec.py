@@ -217,9 +217,23 @@ def test_parquet_without_the_task_columns(tmp_path: Path) -> None:
     assert "lacks column(s) ['x', 'y'] needed for task 'classify'" in error
 
 
-def test_async_checkpoints_refused_with_reason() -> None:
-    (error,) = errors_of(WORKLOADS / "quickstart.yaml", ["checkpoint.async=true"])
-    assert "checkpoint.async" in error
+def test_elastic_range_must_keep_the_global_batch() -> None:
+    (error,) = errors_of(WORKLOADS / "quickstart.yaml", ["scaling.workers={min: 1, max: 3}"])
+    assert "train.global_batch_size: 128 is not a multiple of data.batch_size (64) x 3 workers" in error
+    assert "kept at every worker count in 1..3" in error
+
+
+def test_keep_best_needs_the_metric_at_every_checkpoint() -> None:
+    overrides = ["checkpoint.keep_best={metric: val/loss}", "train.eval_every=30"]
+    (error,) = errors_of(WORKLOADS / "quickstart.yaml", overrides)
+    assert "checkpoint.keep_best.metric: val/loss is measured every 30 steps" in error
+    (error,) = errors_of(WORKLOADS / "quickstart.yaml", ["checkpoint.keep_best={metric: val/f1}"])
+    assert "'val/f1' is not one of train/loss, val/loss, val/accuracy" in error
+
+
+def test_on_nan_policies() -> None:
+    (error,) = errors_of(WORKLOADS / "quickstart.yaml", ["failure.on_nan=ignore"])
+    assert "failure.on_nan" in error and "rollback" in error
 
 
 def test_storage_must_be_a_directory(tmp_path: Path) -> None:

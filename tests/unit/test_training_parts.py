@@ -11,8 +11,7 @@ import torch
 
 from shoal.models import build_model
 from shoal.worker import checkpoint
-from shoal.worker.checkpoint import Position
-from shoal.worker.loop import accumulation_steps, planned_steps
+from shoal.worker.loop import accumulation_steps, global_batch_size, planned_steps
 from shoal.worker.optim import build_optimizer, build_scheduler, lr_multiplier
 
 SCHEDULE = {"warmup_steps": 10, "decay": "cosine", "min_lr_ratio": 0.1}
@@ -40,18 +39,28 @@ def test_linear_and_constant_decay() -> None:
     assert lr_multiplier(77, 100, {**SCHEDULE, "decay": "constant"}) == 1.0
 
 
-def test_accumulation() -> None:
-    assert accumulation_steps(None, 64, 2) == 1
+def test_accumulation_keeps_the_global_batch() -> None:
+    assert accumulation_steps(128, 64, 2) == 1
     assert accumulation_steps(512, 64, 2) == 4
+    assert accumulation_steps(512, 64, 1) == 8
     with pytest.raises(ValueError, match="not a multiple"):
-        accumulation_steps(100, 64, 2)
+        accumulation_steps(384, 64, 4)
+
+
+def test_global_batch_defaults_to_the_largest_world() -> None:
+    spec = {"train": {"global_batch_size": None}, "data": {"batch_size": 16}, "scaling": {"workers": 2}}
+    assert global_batch_size(spec) == 32
+    spec["scaling"]["workers"] = {"min": 1, "max": 4}
+    assert global_batch_size(spec) == 64
+    spec["train"]["global_batch_size"] = 96
+    assert global_batch_size(spec) == 96
 
 
 def test_planned_steps_from_epochs() -> None:
     train = {"max_steps": None, "epochs": 3, "global_batch_size": 256}
-    # 1437 rows / 2 ranks = 718 -> 11 micro-batches of 64 per epoch, 2 per step -> 16.5 steps
-    assert planned_steps(train, 1437, 64, 2) == 16
-    assert planned_steps({**train, "max_steps": 7, "epochs": None}, None, 64, 2) == 7
+    # 1437 rows -> 5 whole global batches of 256 per epoch (the short tail is dropped)
+    assert planned_steps(train, 1437, 256) == 15
+    assert planned_steps({**train, "max_steps": 7, "epochs": None}, None, 256) == 7
 
 
 def test_weight_decay_skips_biases() -> None:
@@ -77,18 +86,20 @@ def test_checkpoint_round_trip_restores_everything(tmp_path: Path) -> None:
     optimizer = build_optimizer(model, OPTIMIZER)
     scheduler = build_scheduler(optimizer, 100, SCHEDULE)
     _train_a_little(model, optimizer, scheduler, 5)
-    position = Position(step=5, epoch=1, batches_in_epoch=3, samples=320)
+    state = {"position": {"step": 5}, "world_size": 1, "scheduler": scheduler.state_dict()}
     random.seed(11), np.random.seed(11), torch.manual_seed(11)
-    checkpoint.save(tmp_path, [model], [optimizer], scheduler, position, rank=0, world_size=2)
+    assert checkpoint.save(tmp_path, [model], [optimizer], rank=0, trainer_state=state) is None
+    assert checkpoint.verify(tmp_path) is None
     expected_draws = (random.random(), np.random.rand(), torch.rand(1).item())
 
     torch.manual_seed(99)
     fresh = build_model({"family": "mlp", "args": {"hidden": 16}})
     fresh_optimizer = build_optimizer(fresh, OPTIMIZER)
     fresh_scheduler = build_scheduler(fresh_optimizer, 100, SCHEDULE)
-    restored, world = checkpoint.restore(tmp_path, [fresh], [fresh_optimizer], [fresh_scheduler], rank=0)
+    parts = [fresh], [fresh_optimizer], [fresh_scheduler]
+    restored, rng_restored = checkpoint.restore(tmp_path, *parts, rank=0)
 
-    assert (restored, world) == (position, 2)
+    assert restored["position"] == {"step": 5} and rng_restored
     for a, b in zip(model.state_dict().values(), fresh.state_dict().values(), strict=True):
         assert torch.equal(a, b)
     assert fresh_scheduler.last_epoch == 5 and fresh_scheduler.get_last_lr() == scheduler.get_last_lr()
@@ -110,3 +121,25 @@ def test_sgd_with_momentum() -> None:
     optimizer = build_optimizer(model, {**OPTIMIZER, "name": "sgd", "momentum": 0.8})
     assert isinstance(optimizer, torch.optim.SGD)
     assert optimizer.param_groups[0]["momentum"] == 0.8 and optimizer.param_groups[0]["lr"] == 1e-2
+
+
+def _saved(tmp_path: Path) -> Path:
+    model = build_model({"family": "mlp", "args": {"hidden": 8}})
+    optimizer = build_optimizer(model, OPTIMIZER)
+    scheduler = build_scheduler(optimizer, 10, SCHEDULE)
+    state = {"position": {}, "world_size": 1, "scheduler": scheduler.state_dict()}
+    checkpoint.save(tmp_path, [model], [optimizer], rank=0, trainer_state=state)
+    return tmp_path
+
+
+def test_verify_rejects_a_corrupt_or_incomplete_checkpoint(tmp_path: Path) -> None:
+    directory = _saved(tmp_path)
+    shard = next(directory.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte, same size
+    shard.write_bytes(bytes(data))
+    assert checkpoint.verify(directory) == f"{shard.name} does not match its manifest (size or CRC32 differ)"
+    (directory / "manifest-rank0.json").unlink()
+    assert checkpoint.verify(directory) == "rank 0 of 1 never finished writing (no manifest-rank0.json)"
+    (directory / "trainer_state.json").unlink()
+    assert checkpoint.verify(directory) == "trainer_state.json is missing"

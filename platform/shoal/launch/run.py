@@ -15,9 +15,11 @@ import pyarrow.parquet as pq
 import yaml
 
 from shoal.launch.cluster import QUIET_ENV, ClusterError, quiet_ray_logging, ray_session
+from shoal.launch.retention import BestKeeper
+from shoal.launch.storage import Storage, open_storage, probe
 from shoal.spec import LoadedWorkload
 from shoal.tracking import Observer, Recorder, open_run, resolve_uri
-from shoal.tracking.mlflow_run import git_commit
+from shoal.tracking.mlflow_run import CWD_TAG, git_commit
 
 log = logging.getLogger("shoal")
 REPORT_INTERVAL_S = 3.0
@@ -55,9 +57,9 @@ class RunResult:
 class Drainer(threading.Thread):
     """Moves messages from the controller's queue into the Recorder, on the driver."""
 
-    def __init__(self, queue: Any, recorder: Recorder):
+    def __init__(self, queue: Any, recorder: Recorder, keeper: BestKeeper | None = None):
         super().__init__(name="shoal-drainer", daemon=True)
-        self.queue, self.recorder = queue, recorder
+        self.queue, self.recorder, self.keeper = queue, recorder, keeper
         self.stopping = threading.Event()
         self.errors = 0
 
@@ -77,6 +79,9 @@ class Drainer(threading.Thread):
     def _handle(self, message: dict[str, Any]) -> None:
         try:
             self.recorder.handle(message)
+            if self.keeper and message.get("checkpoint"):
+                summary = message["summary"]
+                self.keeper.offer(message["checkpoint"], summary["step"], summary.get("score"))
         except Exception:  # tracking trouble must not stop training
             self.errors += 1
             log.exception("could not record a report in MLflow")
@@ -125,10 +130,6 @@ def fit_interruptibly(trainer: Any) -> None:
         raise outcome["error"]
 
 
-def has_checkpoints(run_dir: Path) -> bool:
-    return any(run_dir.glob("checkpoint-*"))
-
-
 def default_run_name(workload_name: str) -> str:
     return f"{workload_name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
@@ -155,10 +156,21 @@ def _worker_config(loaded: LoadedWorkload, run_dir: Path, options: RunOptions) -
         "sys_path": [os.getcwd()],
         "report_interval_s": options.report_interval_s,
         "threads_per_worker": _threads_per_worker(loaded.workload.scaling),
+        "audit_samples": os.environ.get("SHOAL_AUDIT_SAMPLES") == "1",
     }
 
 
-def _trainer(loaded: LoadedWorkload, run_name: str, storage: Path, config: dict, queue: Any, local: bool):
+def data_config() -> Any:
+    """Every worker reads the whole training set in one fixed order (see worker/stream.py:
+    that is what makes data exactly-once across restarts and resizes); val is split."""
+    import ray.data
+    import ray.train
+
+    ordered = ray.data.ExecutionOptions(preserve_order=True)
+    return ray.train.DataConfig(datasets_to_split=["val"], execution_options={"train": ordered})
+
+
+def _trainer(loaded: LoadedWorkload, run_name: str, storage: Storage, config: dict, queue: Any, local: bool):
     import ray.train
     from ray.train.torch import TorchTrainer
 
@@ -173,7 +185,8 @@ def _trainer(loaded: LoadedWorkload, run_name: str, storage: Path, config: dict,
         resources["GPU"] = w.scaling.gpus_per_worker
     run_config = ray.train.RunConfig(
         name=run_name,
-        storage_path=str(storage),
+        storage_path=storage.path,
+        storage_filesystem=storage.filesystem,
         failure_config=ray.train.FailureConfig(max_failures=w.failure.max_restarts),
         checkpoint_config=ray.train.CheckpointConfig(num_to_keep=w.checkpoint.keep),
         callbacks=[ForwardingCallback(queue)],
@@ -189,6 +202,7 @@ def _trainer(loaded: LoadedWorkload, run_name: str, storage: Path, config: dict,
         ),
         run_config=run_config,
         datasets=build_datasets(loaded.data),
+        dataset_config=data_config(),
     )
 
 
@@ -223,15 +237,16 @@ def run(
     options = options or RunOptions()
     w = loaded.workload
     run_name = options.run_name or default_run_name(w.name)
-    storage = Path(w.checkpoint.storage).resolve()
-    run_dir = storage / run_name
+    storage = open_storage(w.checkpoint.storage, w.checkpoint.endpoint)
+    run_dir = storage.local_run_dir(run_name)
+    probe(storage)
     quiet_ray_logging(run_dir / "logs" / "driver.log", options.verbose)
     experiment = w.tracking.experiment or w.name
     uri = resolve_uri(w.tracking.uri)
     cpus = w.scaling.worker_range()[1] * w.scaling.cpus_per_worker
     with ray_session(options.address, cpus, options.verbose) as session:
         _check_resources(loaded, session)
-        tags = {"shoal.workload": w.name, "shoal.ray_address": session.address}
+        tags = {"shoal.workload": w.name, "shoal.ray_address": session.address, CWD_TAG: os.getcwd()}
         if commit := git_commit():
             tags["shoal.git_commit"] = commit
         resolved = w.resolved()
@@ -239,8 +254,8 @@ def run(
             uri,
             experiment,
             run_name,
-            run_dir=str(run_dir),
-            resume=has_checkpoints(run_dir),
+            run_dir=storage.run_uri(run_name),
+            resume=bool(storage.checkpoints(run_name)),
             resolved_spec=resolved,
             spec_yaml=yaml.safe_dump(resolved, sort_keys=False),
             tags=tags,
@@ -248,7 +263,9 @@ def run(
         recorder = Recorder(tracked, observer)
         result = RunResult("FAILED", run_name, str(run_dir), tracked.run_id, experiment, uri)
         queue = Queue(actor_options={"num_cpus": 0})
-        drainer = Drainer(queue, recorder)
+        best = w.checkpoint.keep_best
+        keeper = best and BestKeeper(storage, run_name, best.metric, best.mode, tracked.set_tags)
+        drainer = Drainer(queue, recorder, keeper or None)
         try:
             trainer = _trainer(
                 loaded,

@@ -22,22 +22,47 @@ def _issue(source: Source, path: str, message: str) -> SpecIssue:
 
 
 def check_batches(workload: Workload, source: Source) -> list[SpecIssue]:
+    """The global batch stays the same at every world size the run may have: each one must
+    split it into whole micro-batches per worker."""
     micro = workload.data.batch_size
-    wanted = workload.train.global_batch_size
-    if wanted is None:
+    low, high = workload.scaling.worker_range()
+    wanted = workload.train.global_batch_size or micro * high
+    bad = [world for world in range(low, high + 1) if wanted % (micro * world)]
+    if not bad:
         return []
-    issues = []
-    for world in sorted(set(workload.scaling.worker_range())):
-        if wanted % (micro * world):
-            issues.append(
-                _issue(
-                    source,
-                    "train.global_batch_size",
-                    f"{wanted} is not a multiple of data.batch_size ({micro}) x {world} workers "
-                    f"= {micro * world}; accumulation needs a whole number of micro-batches",
-                )
+    path = "train.global_batch_size" if workload.train.global_batch_size else "scaling.workers"
+    elastic = f" (the global batch is kept at every worker count in {low}..{high})" if low < high else ""
+    return [
+        _issue(
+            source,
+            path,
+            f"{wanted} is not a multiple of data.batch_size ({micro}) x {bad[0]} workers "
+            f"= {micro * bad[0]}; accumulation needs a whole number of micro-batches{elastic}",
+        )
+    ]
+
+
+VALUE_METRICS = ("train/loss", "val/loss", "val/accuracy")
+
+
+def check_checkpoint(workload: Workload, source: Source) -> list[SpecIssue]:
+    best, every = workload.checkpoint.keep_best, workload.checkpoint.every_steps
+    if best is None:
+        return []
+    if best.metric not in VALUE_METRICS:
+        allowed = ", ".join(VALUE_METRICS)
+        return [_issue(source, "checkpoint.keep_best.metric", f"'{best.metric}' is not one of {allowed}")]
+    evals = workload.train.eval_every
+    if best.metric.startswith("val/") and every and (not evals or every % evals):
+        return [
+            _issue(
+                source,
+                "checkpoint.keep_best.metric",
+                f"{best.metric} is measured every {evals or 'no'} steps, not at every checkpoint "
+                f"(every {every} steps); make train.eval_every divide checkpoint.every_steps",
             )
-    return issues
+        ]
+    return []
 
 
 def check_model(workload: Workload, source: Source) -> tuple[str | None, list[SpecIssue]]:
@@ -163,6 +188,7 @@ def run_checks(
     workload: Workload, source: Source, prepare_data: bool = False
 ) -> tuple[DataPlan | None, list[SpecIssue]]:
     issues = check_batches(workload, source) + check_storage(workload, source)
+    issues += check_checkpoint(workload, source)
     task, model_issues = check_model(workload, source)
     issues += model_issues + check_parallel(workload, source, task) + check_precision(workload, source)
     plan = None

@@ -122,17 +122,25 @@ class ScalingSpec(Section):
         return self.workers, self.workers
 
 
+class KeepBest(Section):
+    metric: str  # a metric at checkpoint steps: val/loss, val/accuracy or train/loss
+    mode: Literal["min", "max"] = "min"
+
+
 class CheckpointSpec(Section):
     every_steps: PositiveInt | None = None
-    keep: PositiveInt = 3
-    async_: Literal[False] = Field(False, alias="async")
-    storage: str = "./shoal_runs"
+    keep: PositiveInt = 3  # the latest K; keep_best adds the best one by a metric
+    keep_best: KeepBest | None = None
+    async_: bool = Field(False, alias="async")  # write in the background while training goes on
+    storage: str = "./shoal_runs"  # a directory, or s3://bucket/prefix
+    endpoint: str | None = None  # S3-compatible endpoint URL for s3:// storage
 
 
 class FailureSpec(Section):
     max_restarts: int = Field(3, ge=0)
     hang_timeout_s: PositiveFloat = 600
-    on_nan: Literal["fail"] = "fail"
+    on_nan: Literal["fail", "skip", "rollback"] = "fail"
+    max_nan_steps: int = Field(3, ge=0)  # non-finite steps skipped or rolled back before the run fails
 
 
 class TrackingSpec(Section):

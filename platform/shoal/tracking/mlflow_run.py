@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,7 @@ from mlflow.tracking import MlflowClient
 
 RUN_NAME_TAG = "shoal.run_name"
 RUN_DIR_TAG = "shoal.run_dir"
+CWD_TAG = "shoal.cwd"
 PARAM_LIMIT = 6000
 
 
@@ -169,3 +171,36 @@ def open_run(
     except OSError as exc:
         raise TrackingError(f"MLflow at '{uri}': {exc}") from None
     return run
+
+
+@dataclass
+class RecordedJob:
+    """What `shoal resume RUN_ID` needs, as the MLflow run recorded it."""
+
+    run_id: str
+    run_name: str
+    run_dir: str  # where the checkpoints are: a directory or s3://bucket/prefix/RUN
+    cwd: str | None  # where relative paths in the spec were resolved
+    spec_yaml: str
+    status: str
+
+
+def recorded_job(uri: str, run_id: str) -> RecordedJob:
+    client = MlflowClient(tracking_uri=uri)
+    try:
+        run = client.get_run(run_id)
+        tags = run.data.tags
+        if RUN_NAME_TAG not in tags or RUN_DIR_TAG not in tags:
+            raise TrackingError(
+                f"MLflow run {run_id} at '{uri}' was not started by shoal (no {RUN_DIR_TAG} tag)"
+            )
+        with tempfile.TemporaryDirectory() as tmp:
+            path = client.download_artifacts(run_id, "workload.yaml", tmp)
+            spec_yaml = Path(path).read_text()
+    except MlflowException as exc:
+        raise TrackingError(f"MLflow run {run_id} at '{uri}': {exc.message}") from None
+    except OSError as exc:
+        raise TrackingError(f"MLflow run {run_id} at '{uri}': {exc}") from None
+    return RecordedJob(
+        run_id, tags[RUN_NAME_TAG], tags[RUN_DIR_TAG], tags.get(CWD_TAG), spec_yaml, run.info.status
+    )

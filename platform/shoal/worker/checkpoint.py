@@ -1,6 +1,8 @@
 """Checkpoint save/restore: model and optimizer through torch.distributed.checkpoint
-(sharded, so the same code serves DDP now and FSDP/TP later), plus the trainer
-state (step, data position, scheduler) and every rank's RNG states.
+(sharded: DDP, FSDP, TP and pipeline stages alike, loadable at another world
+size), plus the trainer state (step, data position, scheduler) and every rank's
+RNG states. Each rank seals what it wrote with a manifest of sizes and CRC32s;
+a checkpoint missing a manifest or failing one is never resumed from.
 
 Each rank writes into its own temporary directory and reports it; Ray Train
 merges the ranks' files into one checkpoint directory in storage.
@@ -10,7 +12,9 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import asdict, dataclass
+import zlib
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +40,7 @@ class Position:
 
     step: int = 0
     epoch: int = 0
-    batches_in_epoch: int = 0  # micro-batches this rank consumed in `epoch`
+    batches_in_epoch: int = 0  # global micro-batches consumed in `epoch` (the same at any world size)
     samples: int = 0  # training samples consumed, all ranks together
 
 
@@ -77,20 +81,73 @@ def _states(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> 
     return {"model": model, "optim": optim}
 
 
+def write_extras(directory: Path, rank: int, trainer_state: dict[str, Any] | None) -> None:
+    """What DCP does not hold: this rank's RNG states, and (rank 0) the trainer state."""
+    torch.save(_rng_state(), directory / f"rng-rank{rank}.pt")
+    if trainer_state is not None:
+        (directory / TRAINER_STATE).write_text(json.dumps(trainer_state))
+
+
 def save(
     directory: Path,
     parts: list[nn.Module],
     optimizers: list[torch.optim.Optimizer],
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    position: Position,
     rank: int,
-    world_size: int,
-) -> None:
-    dcp.save(_states(parts, optimizers), checkpoint_id=str(directory))
-    torch.save(_rng_state(), directory / f"rng-rank{rank}.pt")
-    if rank == 0:
-        state = {"position": asdict(position), "world_size": world_size, "scheduler": scheduler.state_dict()}
-        (directory / TRAINER_STATE).write_text(json.dumps(state))
+    trainer_state: dict[str, Any] | None,
+    process_group: Any = None,
+) -> Future | None:
+    """Write this rank's shard into `directory`; with `process_group`, in the background.
+
+    The background save returns a future; `seal(directory, rank)` must follow its
+    completion. A synchronous save is sealed before it returns.
+    """
+    write_extras(directory, rank, trainer_state)
+    states = _states(parts, optimizers)
+    if process_group is None:
+        dcp.save(states, checkpoint_id=str(directory))
+        seal(directory, rank)
+        return None
+    return dcp.async_save(states, checkpoint_id=str(directory), process_group=process_group)
+
+
+def seal(directory: Path, rank: int) -> None:
+    """Record size and CRC32 of every file this rank wrote: a checkpoint is complete only
+    when every rank's manifest is present and matches (see `verify`)."""
+    written = [p for p in sorted(directory.iterdir()) if not p.name.startswith("manifest")]
+    files = {p.name: _fingerprint(p) for p in written}
+    tmp = directory / f".manifest-rank{rank}.tmp"
+    tmp.write_text(json.dumps({"rank": rank, "files": files}))
+    tmp.replace(directory / f"manifest-rank{rank}.json")
+
+
+def _fingerprint(path: Path) -> list[int]:
+    crc = 0
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return [path.stat().st_size, crc]
+
+
+def verify(directory: Path) -> str | None:
+    """None when the checkpoint is complete and intact, else what is wrong with it."""
+    state_file = directory / TRAINER_STATE
+    if not state_file.exists():
+        return f"{TRAINER_STATE} is missing"
+    try:
+        world = json.loads(state_file.read_text())["world_size"]
+    except (ValueError, KeyError) as exc:
+        return f"{TRAINER_STATE} is unreadable ({exc})"
+    for rank in range(world):
+        manifest = directory / f"manifest-rank{rank}.json"
+        if not manifest.exists():
+            return f"rank {rank} of {world} never finished writing (no {manifest.name})"
+        for name, expected in json.loads(manifest.read_text())["files"].items():
+            path = directory / name
+            if not path.exists():
+                return f"{name} is missing"
+            if _fingerprint(path) != expected:
+                return f"{name} does not match its manifest (size or CRC32 differ)"
+    return None
 
 
 def restore(
@@ -99,8 +156,9 @@ def restore(
     optimizers: list[torch.optim.Optimizer],
     schedulers: list[torch.optim.lr_scheduler.LRScheduler],
     rank: int,
-) -> tuple[Position, int]:
-    """Load a checkpoint in place; returns the position and the world size that wrote it."""
+) -> tuple[dict[str, Any], bool]:
+    """Load a checkpoint in place; returns the trainer state and whether this rank's RNG
+    states were restored (a rank that did not exist when it was written keeps its own)."""
     state = json.loads((directory / TRAINER_STATE).read_text())
     loaded = _states(parts, optimizers)
     dcp.load(loaded, checkpoint_id=str(directory))
@@ -112,6 +170,7 @@ def restore(
     for scheduler in schedulers:
         scheduler.load_state_dict(state["scheduler"])
     rng_file = directory / f"rng-rank{rank}.pt"
-    if rng_file.exists():  # absent when the world grew: the new rank keeps its fresh seed
+    if rng_file.exists() and state["world_size"] > rank:
         _set_rng_state(torch.load(rng_file, weights_only=False))
-    return Position(**state["position"]), state["world_size"]
+        return state, True
+    return state, False

@@ -120,7 +120,13 @@ class Engine:
         return nullcontext()
 
     def train_step(self, group: list[dict[str, torch.Tensor]]) -> tuple[float, float]:
-        """Forward/backward over the micro-batches of one optimizer step, then the step.
+        """Forward/backward over the micro-batches of one optimizer step, then the step."""
+        loss, weight = self.forward_backward(group)
+        self.optimizer_step()
+        return loss, weight
+
+    def forward_backward(self, group: list[dict[str, torch.Tensor]]) -> tuple[float, float]:
+        """Gradients of one optimizer step's micro-batches, not yet applied.
 
         Returns this rank's mean loss and its weight (0 on pipeline stages that have no loss).
         """
@@ -143,18 +149,20 @@ class Engine:
                     self.precision.backward(step_loss / len(group))
                 total += step_loss.detach()
             loss, weight = total.item() / len(group), 1.0  # one device sync per step
-        self._optimizer_step()
         return loss, weight
 
-    def _optimizer_step(self) -> None:
+    def discard_gradients(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+
+    def optimizer_step(self) -> None:
         self.precision.unscale(self.optimizers)
         clip = self.spec["train"]["clip_grad_norm"]
         self.last_grad_norm = clip_grad_norm(self.parts, clip, self.mesh, self.dims)
         self.precision.step(self.optimizers)
         for scheduler in self.schedulers:
             scheduler.step()
-        for optimizer in self.optimizers:
-            optimizer.zero_grad(set_to_none=True)
+        self.discard_gradients()
 
     @torch.no_grad()
     def eval_batch(self, batch: dict[str, torch.Tensor]) -> tuple[float, float, float]:

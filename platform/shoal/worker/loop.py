@@ -10,43 +10,49 @@ from __future__ import annotations
 import math
 import os
 import sys
-import tempfile
 import time
 import uuid
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from shoal.worker import checkpoint
 from shoal.worker.checkpoint import Position
+from shoal.worker.checkpointing import Checkpointer
 from shoal.worker.engine import Engine
 from shoal.worker.reporting import Reporter, StepStats
-from shoal.worker.runtime import HangWatchdog, pick_device, seed_everything, write_pid_file
-from shoal.worker.steps import batch_size_of, evaluate
-from shoal.worker.stream import micro_batches
+from shoal.worker.runtime import HangWatchdog, SampleAudit, pick_device, seed_everything, write_pid_file
+from shoal.worker.steps import evaluate
+from shoal.worker.stream import StreamPlan, micro_batches
 
 
-def accumulation_steps(global_batch: int | None, micro: int, world: int) -> int:
-    if global_batch is None:
-        return 1
+def accumulation_steps(global_batch: int, micro: int, world: int) -> int:
     if global_batch % (micro * world):
         raise ValueError(
             f"train.global_batch_size {global_batch} is not a multiple of "
-            f"data.batch_size {micro} x {world} workers"
+            f"data.batch_size {micro} x {world} workers: this world size cannot keep the global batch"
         )
     return global_batch // (micro * world)
 
 
-def planned_steps(train: dict[str, Any], train_rows: int | None, micro: int, world: int) -> int:
+def global_batch_size(spec: dict[str, Any]) -> int:
+    """Rows per optimizer step, fixed for the whole run whatever the world size: the spec's
+    global_batch_size, or batch_size x the largest number of workers."""
+    configured = spec["train"]["global_batch_size"]
+    if configured is not None:
+        return configured
+    workers = spec["scaling"]["workers"]
+    return spec["data"]["batch_size"] * (workers["max"] if isinstance(workers, dict) else workers)
+
+
+def planned_steps(train: dict[str, Any], train_rows: int | None, global_batch: int) -> int:
     """Optimizer steps the run will take: max_steps, or what `epochs` of data give."""
     if train["max_steps"] is not None:
         return train["max_steps"]
     if not train_rows:
         raise ValueError("train.epochs needs the training set's row count; use train.max_steps")
-    accum = accumulation_steps(train["global_batch_size"], micro, world)
-    per_rank_batches = (train_rows // world) // micro
-    return max(1, math.floor(train["epochs"] * per_rank_batches / accum))
+    return max(1, train["epochs"] * (train_rows // global_batch))
 
 
 class Trainer:
@@ -59,9 +65,11 @@ class Trainer:
         self.rank, self.world = context.get_world_rank(), context.get_world_size()
         self.config, self.spec = config, config["workload"]
         self.train_spec, self.task = self.spec["train"], config["data"]["task"]
+        self.failure = self.spec["failure"]
         self.micro = self.spec["data"]["batch_size"]
-        self.accum = accumulation_steps(self.train_spec["global_batch_size"], self.micro, self.world)
-        self.total_steps = planned_steps(self.train_spec, config.get("train_rows"), self.micro, self.world)
+        self.global_batch = global_batch_size(self.spec)
+        self.accum = accumulation_steps(self.global_batch, self.micro, self.world)
+        self.total_steps = planned_steps(self.train_spec, config.get("train_rows"), self.global_batch)
         self.device = pick_device(context.get_local_rank())
         self.engine = Engine(
             self.spec,
@@ -74,64 +82,72 @@ class Trainer:
         )
         self.position = Position()
         self.saved_step = -1
+        self.skipped_steps: set[tuple[int, int]] = set()  # (epoch, step in epoch) left out after a NaN
+        self.nan_steps = 0
+        self.last_loss = math.nan
+        self.last_eval: dict[str, float] = {}
         self.reporter = Reporter(StepStats(self.world, config["report_interval_s"], self.rank == 0))
-        self.watchdog = HangWatchdog(self.spec["failure"]["hang_timeout_s"], config["run_dir"], self.rank)
+        background = self.spec["checkpoint"]["async"]
+        self.checkpointer = Checkpointer(self.engine, self.rank, background, self.reporter)
+        self.watchdog = HangWatchdog(self.failure["hang_timeout_s"], config["run_dir"], self.rank)
+        self.audit = SampleAudit(config["run_dir"], self.rank) if config.get("audit_samples") else None
 
     # -- checkpoints -------------------------------------------------------------
-    def restore(self) -> None:
-        import ray.train
-
-        engine, found = self.engine, ray.train.get_checkpoint()
+    def restore(self, reason: str = "start") -> None:
+        restored = self.checkpointer.restore()
         restored_from, old_world = None, self.world
-        if found is not None:
-            with found.as_directory() as directory:
-                self.position, old_world = checkpoint.restore(
-                    Path(directory), engine.parts, engine.optimizers, engine.schedulers, self.rank
+        if restored is not None:
+            state = restored.state
+            self.position, old_world = Position(**state["position"]), state["world_size"]
+            if state["global_batch"] != self.global_batch:
+                raise ValueError(
+                    f"the checkpoint was trained with a global batch of {state['global_batch']} rows, "
+                    f"this workload asks for {self.global_batch}"
                 )
+            self.skipped_steps |= {tuple(s) for s in state["skipped_steps"]}
+            self.nan_steps = max(self.nan_steps, state["nan_steps"])
             restored_from = self.saved_step = self.position.step
-            if old_world != self.world:  # same samples read, spread over a new number of ranks
-                self.position.batches_in_epoch = self.position.batches_in_epoch * old_world // self.world
-        seed_everything(self.train_spec["seed"] * 7919 + self.rank + 1000 * self.position.step)
+        if restored is None or not restored.rng_restored:  # a rank new to the run gets its own seed
+            seed_everything(self.train_spec["seed"] * 7919 + self.rank + 1000 * self.position.step)
         self.reporter.event(
-            "attempt_started",
+            "attempt_started" if reason == "start" else "rolled_back",
             world_size=self.world,
             restored_step=restored_from,
+            restored_from=restored.source if restored else None,
             previous_world_size=old_world if restored_from is not None else None,
-            parameters=engine.parameters,
+            parameters=self.engine.parameters,
             accumulation=self.accum,
+            global_batch=self.global_batch,
             total_steps=self.total_steps,
             device=str(self.device),
-            parallel=engine.describe(),
+            parallel=self.engine.describe(),
         )
-        self.reporter.send(self._summary())
+
+    def _trainer_state(self) -> dict[str, Any]:
+        return {
+            "position": asdict(self.position),
+            "world_size": self.world,
+            "global_batch": self.global_batch,
+            "scheduler": self.engine.schedulers[0].state_dict(),
+            "skipped_steps": sorted(self.skipped_steps),
+            "nan_steps": self.nan_steps,
+        }
 
     def save(self, final: bool = False) -> None:
-        import ray.train
-
         if self.position.step == self.saved_step:  # nothing new since the last checkpoint
+            self.checkpointer.finish_pending()
             self.reporter.send(self._summary(final=final))
             return
         self.saved_step = self.position.step
-        engine = self.engine
-        with tempfile.TemporaryDirectory(prefix="shoal-ckpt-") as tmp:
-            checkpoint.save(
-                Path(tmp),
-                engine.parts,
-                engine.optimizers,
-                engine.schedulers[0],
-                self.position,
-                self.rank,
-                self.world,
-            )
-            self.reporter.send(
-                self._summary(checkpointed=True, final=final),
-                checkpoint=ray.train.Checkpoint.from_directory(tmp),
-                checkpoint_dir_name=f"checkpoint-{self.position.step:08d}",
-            )
+        summary = self._summary(final=final)
+        name = f"checkpoint-{self.position.step:08d}"
+        self.checkpointer.save(name, self._trainer_state(), summary)
+        if final:
+            self.checkpointer.finish_pending()
 
     # -- steps -------------------------------------------------------------------
     def _summary(self, **extra: Any) -> dict[str, Any]:
-        return {
+        summary = {
             "step": self.position.step,
             "epoch": self.position.epoch,
             "samples": self.position.samples,
@@ -139,53 +155,91 @@ class Trainer:
             "total_steps": self.total_steps,
             **extra,
         }
+        keep_best = self.spec["checkpoint"]["keep_best"]
+        if keep_best and keep_best["metric"] in self.last_eval:  # the driver keeps the best checkpoint
+            summary["score"] = self.last_eval[keep_best["metric"]]
+        return summary
 
     def _evaluate(self) -> None:
         import ray.train
 
-        if not self.config["data"]["val"]:
-            return
-        shard = ray.train.get_dataset_shard("val")
-        results = evaluate(
-            self.engine, shard, self.task, self.micro, self.world, max_batches=self.train_spec["eval_batches"]
-        )
-        self.reporter.event("eval", step=self.position.step, **results)
+        if self.config["data"]["val"]:
+            shard = ray.train.get_dataset_shard("val")
+            max_batches = self.train_spec["eval_batches"]
+            results = evaluate(self.engine, shard, self.task, self.micro, self.world, max_batches=max_batches)
+        else:
+            results = {}
+        self.last_eval = {**results, "train/loss": self.last_loss}
+        if results:
+            self.reporter.event("eval", step=self.position.step, **results)
 
-    def run(self) -> None:
+    def _stream(self) -> Any:
         import ray.train
 
-        self.restore()
-        if self.position.step >= self.total_steps:
-            self.reporter.send(self._summary(final=True))
-            return
-        stream = micro_batches(
-            ray.train.get_dataset_shard("train"),
+        plan = StreamPlan(
             micro=self.micro,
-            position=self.position,
+            per_step=self.global_batch // self.micro,
+            rank=self.rank,
+            world=self.world,
             epochs=self.train_spec["epochs"],
             shuffle_buffer=self.spec["data"]["shuffle_buffer"],
             seed=self.train_spec["seed"],
+            skipped_steps=set(self.skipped_steps),
         )
+        return micro_batches(ray.train.get_dataset_shard("train"), plan, self.position)
+
+    def run(self) -> None:
+        self.restore()
+        self.reporter.send(self._summary())
+        if self.failure["on_nan"] == "rollback" and self.position.step == 0:
+            self.save()  # something to roll back to before the first checkpoint
+        while self.position.step < self.total_steps:
+            outcome = self._train_stream()
+            if outcome == "rollback":
+                self.checkpointer.finish_pending()
+                self.restore(reason="rollback")
+                self.reporter.send(self._summary())
+            elif outcome in ("done", "fatal"):
+                break
+            else:  # the data ran out (epochs mode) before the planned step count
+                self._evaluate()
+                self.save(final=True)
+                break
+        else:
+            self.reporter.send(self._summary(final=True))
+        self.watchdog.disarm()
+
+    def _train_stream(self) -> str:
+        """Train from the current position until done, a NaN rollback, a fatal error or the data's end."""
         every_ckpt, every_eval = self.spec["checkpoint"]["every_steps"], self.train_spec["eval_every"]
+        per_step = self.global_batch // self.micro
         self.watchdog.arm()
-        started = time.perf_counter()
-        group: list = []
-        self.data_wait = 0.0
-        for item in self._timed(stream):
-            group.append(item)
-            if len(group) < self.accum:
-                continue
-            local_loss, weight = self.engine.train_step([self.engine.combine(b) for _, _, b in group])
-            epoch, index, last = group[-1]
-            samples = sum(batch_size_of(b) for _, _, b in group) * self.world
-            self.position = Position(self.position.step + 1, epoch, index, self.position.samples + samples)
-            group = []
-            loss, report_due = self.reporter.stats.reduce(local_loss, weight)
+        started, self.data_wait = time.perf_counter(), 0.0
+        for group in self._steps(self._timed(self._stream())):
+            local_loss, weight = self.engine.forward_backward([self.engine.combine(i.batch) for i in group])
+            loss, report_due, written = self.reporter.stats.reduce(
+                local_loss, weight, self.checkpointer.written_here()
+            )
+            if written and self.checkpointer.pending is not None:
+                self.checkpointer.finish_pending()
+            last = group[-1]
+            self.position.epoch = last.epoch
+            self.position.batches_in_epoch = (last.index // per_step + 1) * per_step
+            samples = self.global_batch
+            self.position.samples += samples
             if not math.isfinite(loss):
-                self._fail(f"training loss is {loss} at step {self.position.step} (failure.on_nan: fail)")
-                return
+                outcome = self._non_finite(loss, last.epoch, last.index // per_step)
+                if outcome != "skip":
+                    return outcome
+                started = time.perf_counter()
+                continue
+            self.engine.optimizer_step()
+            self.position.step += 1
+            self.last_loss = loss
+            if self.audit:
+                self.audit.record(self.position.step, last.epoch, group)
             elapsed, started = time.perf_counter() - started, time.perf_counter()
-            self._record(loss, samples, elapsed, predicted_per_sample=self._predicted(last))
+            self._record(loss, samples, elapsed, predicted_per_sample=self._predicted(last.batch))
             step, done = self.position.step, self.position.step >= self.total_steps
             if done or (every_eval and step % every_eval == 0):
                 self._evaluate()
@@ -196,11 +250,34 @@ class Trainer:
                 self.reporter.send(self._summary())
             self.watchdog.arm()
             if done:
-                break
-        else:  # the data ran out (epochs mode) before the planned step count
-            self._evaluate()
-            self.save(final=True)
-        self.watchdog.disarm()
+                return "done"
+        return "exhausted"
+
+    def _steps(self, items: Any) -> Any:
+        """Group this rank's micro-batches into optimizer steps (the stream yields whole steps)."""
+        group: list = []
+        for item in items:
+            group.append(item)
+            if len(group) == self.accum:
+                yield group
+                group = []
+
+    def _non_finite(self, loss: float, epoch: int, step_in_epoch: int) -> str:
+        """failure.on_nan: 'fail' stops the run, 'skip' drops this step's update, 'rollback'
+        restores the last checkpoint and leaves this step's batch out from then on."""
+        policy, step = self.failure["on_nan"], self.position.step + 1
+        self.engine.discard_gradients()
+        self.nan_steps += 1
+        if policy == "fail" or self.nan_steps > self.failure["max_nan_steps"]:
+            limit = self.failure["max_nan_steps"]
+            why = "failure.on_nan: fail" if policy == "fail" else f"more than failure.max_nan_steps ({limit})"
+            self._fail(f"training loss is {loss} at step {step} ({why})")
+            return "fatal"
+        self.skipped_steps.add((epoch, step_in_epoch))
+        self.reporter.event(
+            f"nan_{policy}", step=step, epoch=epoch, step_in_epoch=step_in_epoch, loss=str(loss)
+        )
+        return policy
 
     def _timed(self, stream: Any) -> Any:
         """The stream, adding the time spent waiting for each item to `self.data_wait`."""

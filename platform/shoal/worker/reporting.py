@@ -16,19 +16,25 @@ import torch.distributed as dist
 
 
 class StepStats:
-    """All-reduce of [loss x weight, weight, report-due flag]: one small collective per step."""
+    """All-reduce of [loss x weight, weight, report-due flag, ranks whose checkpoint write is
+    done]: one small collective per step, so that every rank takes the same decisions."""
 
     def __init__(self, world_size: int, interval_s: float, is_rank0: bool):
         self.world_size, self.interval_s, self.is_rank0 = world_size, interval_s, is_rank0
         self.last_report = time.monotonic()
 
-    def reduce(self, local_loss: float, weight: float = 1.0) -> tuple[float, bool]:
-        """Mean loss over the ranks that have one (pipeline stages before the last have none)."""
+    def reduce(
+        self, local_loss: float, weight: float = 1.0, written: bool = True
+    ) -> tuple[float, bool, bool]:
+        """Mean loss over the ranks that have one (pipeline stages before the last have none),
+        whether a report is due, and whether every rank has written its pending checkpoint."""
         due = self.is_rank0 and time.monotonic() - self.last_report >= self.interval_s
-        values = torch.tensor([local_loss * weight, weight, 1.0 if due else 0.0], dtype=torch.float64)
+        flags = [1.0 if due else 0.0, 1.0 if written else 0.0]
+        values = torch.tensor([local_loss * weight, weight, *flags], dtype=torch.float64)
         if self.world_size > 1:
             dist.all_reduce(values)
-        return values[0].item() / max(values[1].item(), 1e-12), values[2].item() > 0
+        loss = values[0].item() / max(values[1].item(), 1e-12)
+        return loss, values[2].item() > 0, values[3].item() >= self.world_size
 
     def reported(self) -> None:
         self.last_report = time.monotonic()

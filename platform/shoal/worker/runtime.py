@@ -1,4 +1,4 @@
-"""Per-process setup of a training worker: threads, device, seeds, watchdog, pid file."""
+"""Per-process setup of a training worker: threads, device, seeds, watchdog, pid file, audit."""
 
 from __future__ import annotations
 
@@ -64,3 +64,34 @@ class HangWatchdog:
 
     def disarm(self) -> None:
         faulthandler.cancel_dump_traceback_later()
+
+
+class SampleAudit:
+    """Which sample ids each applied optimizer step trained on, per rank and attempt.
+
+    Written to RUN_DIR/audit/rankN.jsonl when SHOAL_AUDIT_SAMPLES=1; a step that a
+    restart replays appears again under the later attempt, which is the one that
+    counts. The fault tests check exactly-once data with it.
+    """
+
+    def __init__(self, run_dir: str, rank: int):
+        directory = Path(run_dir) / "audit"
+        directory.mkdir(parents=True, exist_ok=True)
+        self.attempt = _shared_attempt_id()
+        self._file: IO[str] = open(directory / f"rank{rank}.jsonl", "a")  # noqa: SIM115 (lives with the process)
+
+    def record(self, step: int, epoch: int, group: list) -> None:
+        ids = [int(i) for item in group if "id" in item.batch for i in item.batch["id"].tolist()]
+        line = {"attempt": self.attempt, "step": step, "epoch": epoch, "ids": ids}
+        self._file.write(json.dumps(line) + "\n")
+        self._file.flush()
+
+
+def _shared_attempt_id() -> str:
+    """One id for every rank of this attempt: rank 0's start time, broadcast."""
+    import torch.distributed as dist
+
+    chosen = [f"{time.time():.6f}"]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(chosen, src=0)
+    return chosen[0]

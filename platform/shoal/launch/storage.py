@@ -1,0 +1,104 @@
+"""Where a run's checkpoints live: a local directory or object storage (s3://bucket/prefix).
+
+Ray Train writes checkpoints through the pyarrow filesystem given here; the driver
+uses the same one to look for a run's checkpoints and to keep its best one.
+Logs, worker pid files and sample audits always go to a local run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import pyarrow.fs as pafs
+
+CHECKPOINT_DIR = re.compile(r"^checkpoint-\d+$")
+LOCAL_RUNS = "./shoal_runs"
+
+
+class StorageError(Exception):
+    """Checkpoint storage that cannot be used; the message names it."""
+
+
+@dataclass
+class Storage:
+    uri: str  # as shown to people: an absolute directory or s3://bucket/prefix
+    path: str  # the root as the filesystem names it (no scheme)
+    filesystem: pafs.FileSystem
+    remote: bool
+
+    def run_path(self, run_name: str) -> str:
+        return f"{self.path}/{run_name}"
+
+    def run_uri(self, run_name: str) -> str:
+        return f"{self.uri}/{run_name}"
+
+    def local_run_dir(self, run_name: str) -> Path:
+        """Logs and other per-host files: next to the checkpoints when they are local."""
+        root = Path(LOCAL_RUNS).resolve() if self.remote else Path(self.path)
+        return root / run_name
+
+    def checkpoints(self, run_name: str) -> list[str]:
+        """The run's checkpoint directory names, oldest first."""
+        selector = pafs.FileSelector(self.run_path(run_name), allow_not_found=True)
+        names = [
+            info.base_name
+            for info in self.filesystem.get_file_info(selector)
+            if info.type == pafs.FileType.Directory and CHECKPOINT_DIR.match(info.base_name)
+        ]
+        return sorted(names, key=lambda n: int(n.split("-")[1]))
+
+    def read_json(self, path: str) -> Any:
+        if self.filesystem.get_file_info(path).type != pafs.FileType.File:
+            return None
+        with self.filesystem.open_input_stream(path) as f:
+            return json.loads(f.read().decode())
+
+    def write_json(self, path: str, value: Any) -> None:
+        with self.filesystem.open_output_stream(path) as f:
+            f.write(json.dumps(value, indent=1).encode())
+
+    def replace_dir(self, source: str, target: str) -> None:
+        """Copy directory `source` to `target`, replacing what was there."""
+        if self.filesystem.get_file_info(target).type != pafs.FileType.NotFound:
+            self.filesystem.delete_dir(target)
+        self.filesystem.create_dir(target)
+        pafs.copy_files(
+            source, target, source_filesystem=self.filesystem, destination_filesystem=self.filesystem
+        )
+
+
+def open_storage(storage: str, endpoint: str | None = None) -> Storage:
+    """The filesystem for `checkpoint.storage` (and `checkpoint.endpoint` for S3-compatible servers)."""
+    if storage.startswith("s3://"):
+        bucket_and_prefix = storage[len("s3://") :].strip("/")
+        options: dict[str, Any] = {}
+        if endpoint:
+            parsed = urlparse(endpoint if "://" in endpoint else f"https://{endpoint}")
+            options = {"endpoint_override": parsed.netloc, "scheme": parsed.scheme}
+        try:
+            filesystem = pafs.S3FileSystem(**options)
+        except Exception as exc:
+            raise StorageError(f"checkpoint.storage: cannot open {storage}: {exc}") from exc
+        return Storage(f"s3://{bucket_and_prefix}", bucket_and_prefix, filesystem, remote=True)
+    if "://" in storage:
+        raise StorageError(f"checkpoint.storage: '{storage}' is neither a directory nor s3://bucket/prefix")
+    root = Path(storage).resolve()
+    return Storage(str(root), str(root), pafs.LocalFileSystem(), remote=False)
+
+
+def probe(storage: Storage) -> None:
+    """Write and delete a small file, so that unusable storage fails before training starts."""
+    marker = f"{storage.path}/.shoal-write-probe"
+    try:
+        storage.filesystem.create_dir(storage.path)
+        with storage.filesystem.open_output_stream(marker) as f:
+            f.write(b"ok")
+        storage.filesystem.delete_file(marker)
+    except Exception as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise StorageError(f"checkpoint.storage: cannot write to {storage.uri}: {reason}") from exc

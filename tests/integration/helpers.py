@@ -1,0 +1,106 @@
+"""What the fault tests share: waiting, the CLI as a subprocess, checkpoints and sample audits."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import torch
+from mlflow.tracking import MlflowClient
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+
+def wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def registered(run_dir: Path, checkpoint: str) -> bool:
+    """Ray Train has committed this checkpoint (its directory appears before that)."""
+    try:
+        return checkpoint in (run_dir / "checkpoint_manager_snapshot.json").read_text()
+    except OSError:
+        return False
+
+
+def worker_pid(run_dir: Path, rank: int) -> int:
+    return json.loads((run_dir / "workers" / f"rank{rank}.json").read_text())["pid"]
+
+
+def loss_steps(client: MlflowClient, run_id: str) -> list[int]:
+    return sorted(m.step for m in client.get_metric_history(run_id, "train/loss"))
+
+
+def events(client: MlflowClient, run_id: str, into: Path) -> list[dict]:
+    return json.loads(Path(client.download_artifacts(run_id, "events.json", str(into))).read_text())
+
+
+def shoal_cli(args: list[str], cwd: Path, **env: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "shoal.cli", *args],
+        cwd=cwd,
+        env={**os.environ, "COLUMNS": "200", **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def full_state(checkpoint_dir: Path, scratch: Path) -> dict:
+    """Model and optimizer state of a sharded checkpoint, gathered into one dict."""
+    target = scratch / f"{checkpoint_dir.parent.name}-{checkpoint_dir.name}.pt"
+    dcp_to_torch_save(str(checkpoint_dir), str(target))
+    return torch.load(target, weights_only=False)
+
+
+def assert_bitwise_equal(a: dict, b: dict, path: str = "") -> None:
+    assert a.keys() == b.keys(), path
+    for key in a:
+        x, y = a[key], b[key]
+        if isinstance(x, dict):
+            assert_bitwise_equal(x, y, f"{path}.{key}")
+        elif torch.is_tensor(x):
+            assert torch.equal(x, y), f"{path}.{key} differs by {(x.double() - y.double()).abs().max()}"
+        else:
+            assert x == y, f"{path}.{key}"
+
+
+def applied_samples(run_dir: Path) -> tuple[dict[int, Counter], list[int]]:
+    """Sample ids per epoch over the optimizer steps that the final model went through.
+
+    A step replayed after a restart was recorded by two attempts; the later attempt's
+    record is the one that counts (the earlier one's update was lost with its process).
+    """
+    records = [
+        json.loads(line) for path in sorted((run_dir / "audit").glob("rank*.jsonl")) for line in path.open()
+    ]
+    final_attempt: dict[int, str] = {}
+    for record in records:
+        current = final_attempt.get(record["step"])
+        if current is None or float(record["attempt"]) > float(current):
+            final_attempt[record["step"]] = record["attempt"]
+    per_epoch: dict[int, Counter] = defaultdict(Counter)
+    for record in records:
+        if record["attempt"] == final_attempt[record["step"]]:
+            per_epoch[record["epoch"]].update(record["ids"])
+    return per_epoch, sorted(final_attempt)
+
+
+def assert_exactly_once(run_dir: Path, steps: int, global_batch: int, rows: int) -> None:
+    """Each epoch's samples trained once each: whole epochs hold every usable row once."""
+    per_epoch, applied = applied_samples(run_dir)
+    assert applied == list(range(1, steps + 1))
+    per_full_epoch = (rows // global_batch) * global_batch
+    for epoch, seen in per_epoch.items():
+        twice = [i for i, n in seen.items() if n > 1]
+        assert not twice, f"epoch {epoch}: samples trained twice: {twice[:10]}"
+        if epoch < max(per_epoch):  # a finished epoch
+            assert sum(seen.values()) == per_full_epoch, f"epoch {epoch}: {sum(seen.values())} samples"
+    assert sum(sum(c.values()) for c in per_epoch.values()) == steps * global_batch

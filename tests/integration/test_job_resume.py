@@ -1,0 +1,97 @@
+"""Job-level faults: the driver SIGKILLed mid-run, then `shoal resume RUN_ID`; full and
+read-only checkpoint storage (real tmpfs mounts, so root only)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from shoal.worker import checkpoint
+from tests.conftest import WORKLOADS, quickstart
+from tests.integration.conftest import run_workload
+from tests.integration.helpers import events, loss_steps, registered, shoal_cli, wait_for
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+
+
+def test_killed_driver_resumes_into_the_same_mlflow_run(workdir: Path, ray_cluster: str) -> None:
+    spec = str(WORKLOADS / "quickstart.yaml")
+    first = shoal_cli(
+        ["run", spec, "--address", ray_cluster, "--run-name", "drv", "--set", "checkpoint.every_steps=50"],
+        workdir,
+    )
+    run_dir = workdir / "shoal_runs" / "drv"
+    wait_for(
+        lambda: registered(run_dir, "checkpoint-00000100") or first.poll() is not None, 300, "checkpoint"
+    )
+    first.send_signal(signal.SIGKILL)  # no handler runs: MLflow still says RUNNING
+    first.communicate(timeout=60)
+
+    client = MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
+    (orphan,) = client.search_runs([client.get_experiment_by_name("quickstart").experiment_id])
+    assert orphan.info.status == "RUNNING"
+
+    other_dir = workdir / "elsewhere"  # resume works from any directory: the run records where it was
+    other_dir.mkdir()
+    uri = f"sqlite:///{workdir / 'mlflow.db'}"
+    second = shoal_cli(
+        ["resume", orphan.info.run_id, "--tracking-uri", uri, "--address", ray_cluster], other_dir
+    )
+    out, err = second.communicate(timeout=400)
+    assert second.returncode == 0, err
+    assert f"MLflow run id: {orphan.info.run_id}" in out
+    resumed = client.get_run(orphan.info.run_id)
+    assert resumed.info.status == "FINISHED"
+    assert loss_steps(client, orphan.info.run_id) == list(range(1, 401))
+    starts = [e for e in events(client, orphan.info.run_id, workdir) if e["kind"] == "attempt_started"]
+    assert len(starts) >= 2 and starts[-1]["restored_step"] >= 100
+
+    again = shoal_cli(["resume", orphan.info.run_id, "--tracking-uri", uri], other_dir)
+    _, err = again.communicate(timeout=60)
+    assert again.returncode == 2 and "already FINISHED" in err and "Traceback" not in err
+
+
+def _mount_tmpfs(path: Path, options: str) -> None:
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], check=True)
+
+
+@needs_root
+def test_full_storage_fails_clearly_and_keeps_earlier_checkpoints(workdir: Path) -> None:
+    small = workdir / "small"
+    _mount_tmpfs(small, "size=1200k")  # room for about three checkpoints of the quickstart CNN
+    try:
+        data = quickstart()
+        data["checkpoint"].update(every_steps=20, keep=10, storage=str(small))
+        data["failure"]["max_restarts"] = 0
+        result = run_workload(workdir, data, ["train.eval_every=1000"], "full")
+        assert result.status == "FAILED"
+        assert "No space left on device" in result.reason and str(small) in result.reason
+        run_dir = small / "full"
+        snapshot = (run_dir / "checkpoint_manager_snapshot.json").read_text()
+        committed = [p for p in run_dir.glob("checkpoint-*") if p.name in snapshot]
+        assert committed, "no checkpoint was committed before the storage filled up"
+        for directory in committed:
+            assert checkpoint.verify(directory) is None, directory
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)
+
+
+@needs_root
+def test_read_only_storage_is_refused_before_launch(workdir: Path) -> None:
+    frozen = workdir / "frozen"
+    _mount_tmpfs(frozen, "ro,size=1m")
+    try:
+        spec = str(WORKLOADS / "quickstart.yaml")
+        proc = shoal_cli(["run", spec, "--set", f"checkpoint.storage={frozen}/runs"], workdir)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 2, err
+        assert "checkpoint.storage" in err and str(frozen) in err and "Traceback" not in err
+        assert len(err.strip().splitlines()) == 1
+    finally:
+        subprocess.run(["umount", "-l", str(frozen)], check=False)
