@@ -6,6 +6,7 @@ Every run records the sample ids of each applied optimizer step (SHOAL_AUDIT_SAM
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import threading
@@ -142,7 +143,10 @@ def test_non_finite_loss_policies(workdir: Path, policy: str) -> None:
     assert len(applied) == 2 * (DIGITS_TRAIN_ROWS // GLOBAL_BATCH) - len(hits)
     for seen in per_epoch.values():
         assert not set(bad_ids) & set(seen) and max(seen.values()) == 1
-    assert result.metrics["train/loss"] < 1.0  # finite, and it learned
+    losses = [
+        m.value for m in sorted(client.get_metric_history(result.run_id, "train/loss"), key=lambda m: m.step)
+    ]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0] - 0.5  # it learned
 
 
 def test_hung_rank_is_detected_dumped_and_restarted(workdir: Path) -> None:
@@ -160,5 +164,8 @@ def test_hung_rank_is_detected_dumped_and_restarted(workdir: Path) -> None:
     assert result.ok, result.reason
     assert result.restarts >= 1
     dump = (run_dir / "logs" / "hang-rank0.txt").read_text()
-    assert "most recent call first" in dump and "in all_reduce" in dump
+    # rank 0's stack, caught waiting for its peer: in DDP's gradient all-reduce (inside
+    # backward) or in the per-step all-reduce of the loss
+    assert "Timeout (0:00:10)!" in dump and "in _train_stream" in dump
+    assert "in backward" in dump or "in reduce" in dump
     assert_exactly_once(run_dir, 160, GLOBAL_BATCH, DIGITS_TRAIN_ROWS)

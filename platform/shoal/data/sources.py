@@ -118,7 +118,9 @@ def build_datasets(plan: DataPlan) -> dict[str, Any]:
     """
     import ray.data
 
-    ray.data.DataContext.get_current().print_on_execution_start = False
+    context = ray.data.DataContext.get_current()
+    context.print_on_execution_start = False
+    context.execution_options.preserve_order = True  # the same row order in every run and attempt
     datasets = {"train": ray.data.read_parquet(plan.train)}
     if plan.val:
         datasets["val"] = ray.data.read_parquet(plan.val)

@@ -198,6 +198,8 @@ class Trainer:
             if outcome == "rollback":
                 self.checkpointer.finish_pending()
                 self.restore(reason="rollback")
+                if self.audit:
+                    self.audit.new_lineage()
                 self.reporter.send(self._summary())
             elif outcome in ("done", "fatal"):
                 break

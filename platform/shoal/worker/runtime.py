@@ -80,6 +80,10 @@ class SampleAudit:
         self.attempt = _shared_attempt_id()
         self._file: IO[str] = open(directory / f"rank{rank}.jsonl", "a")  # noqa: SIM115 (lives with the process)
 
+    def new_lineage(self) -> None:
+        """After an in-process rollback: the steps replayed from here replace the earlier ones."""
+        self.attempt = _shared_attempt_id()
+
     def record(self, step: int, epoch: int, group: list) -> None:
         ids = [int(i) for item in group if "id" in item.batch for i in item.batch["id"].tolist()]
         line = {"attempt": self.attempt, "step": step, "epoch": epoch, "ids": ids}
