@@ -48,8 +48,11 @@ def test_killed_driver_resumes_into_the_same_mlflow_run(workdir: Path, ray_clust
     resumed = client.get_run(orphan.info.run_id)
     assert resumed.info.status == "FINISHED"
     assert loss_steps(client, orphan.info.run_id) == list(range(1, 401))
-    starts = [e for e in events(client, orphan.info.run_id, workdir) if e["kind"] == "attempt_started"]
-    assert len(starts) >= 2 and starts[-1]["restored_step"] >= 100
+    history = events(client, orphan.info.run_id, workdir)
+    starts = [e for e in history if e["kind"] == "attempt_started"]
+    assert len(starts) >= 2 and starts[0]["restored_step"] is None and starts[-1]["restored_step"] >= 100
+    assert [e["kind"] for e in history].count("job_resumed") == 1
+    assert int(resumed.data.tags["shoal.attempts"]) == len(starts)
 
     again = shoal_cli(["resume", orphan.info.run_id, "--tracking-uri", uri], other_dir)
     _, err = again.communicate(timeout=60)

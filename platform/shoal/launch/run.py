@@ -227,6 +227,21 @@ def failure_reason(exc: BaseException) -> str:
     return lines[-1] if lines else type(exc).__name__
 
 
+STORAGE_ERRORS = (
+    "No space left on device",
+    "Read-only file system",
+    "Permission denied",
+    "Disk quota exceeded",
+)
+
+
+def storage_hint(reason: str, storage: Storage) -> str:
+    """Name the checkpoint storage when that is what failed: the raw error rarely says where."""
+    if any(text.lower() in reason.lower() for text in STORAGE_ERRORS):
+        return f"checkpoint storage {storage.uri}: {reason}"
+    return reason
+
+
 def run(
     loaded: LoadedWorkload, options: RunOptions | None = None, observer: Observer | None = None
 ) -> RunResult:
@@ -280,7 +295,7 @@ def run(
             result.status = "FAILED" if recorder.state.fatal else "FINISHED"
             result.reason = recorder.state.fatal
         except TrainingFailedError as exc:
-            result.reason = failure_reason(exc)
+            result.reason = storage_hint(failure_reason(exc), storage)
         except KeyboardInterrupt:
             result.status, result.reason = "KILLED", "interrupted (Ctrl-C)"
         finally:

@@ -105,6 +105,14 @@ class TrackedRun:
     def log_json(self, data: Any, name: str) -> None:
         self.client.log_text(self.run_id, json.dumps(data, indent=2, default=str), name)
 
+    def read_json(self, name: str) -> Any:
+        """An artifact written by `log_json`, or None when there is none."""
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                return json.loads(Path(self.client.download_artifacts(self.run_id, name, tmp)).read_text())
+        except (MlflowException, OSError, ValueError):
+            return None
+
     def finish(self, status: str) -> None:
         self.client.set_terminated(self.run_id, status)
 

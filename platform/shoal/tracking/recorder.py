@@ -43,6 +43,15 @@ class Recorder:
         if run.resumed:
             history = run.client.get_metric_history(run.run_id, "val/loss")
             self.logged_evals = {m.step for m in history}
+            self._continue_history()
+
+    def _continue_history(self) -> None:
+        """A resumed job goes on with the events and attempt counts its earlier drivers recorded."""
+        tags = self.run.client.get_run(self.run.run_id).data.tags
+        self.state.attempts = int(tags.get("shoal.attempts", 0))
+        self.state.restarts = int(tags.get("shoal.restarts", 0))
+        self.state.events = self.run.read_json("events.json") or []
+        self._event({"kind": "job_resumed", "time": time.time(), "previous_attempts": self.state.attempts})
 
     def handle(self, message: dict[str, Any]) -> None:
         if message["type"] == "failure":
