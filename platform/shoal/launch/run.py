@@ -180,6 +180,8 @@ def _trainer(loaded: LoadedWorkload, run_name: str, storage: Storage, config: di
 
     w = loaded.workload
     low, high = w.scaling.worker_range()
+    # Read by Ray Train's controller, which gets the driver's value at fit().
+    os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(w.failure.worker_start_timeout_s)
     resources = {"CPU": w.scaling.cpus_per_worker}
     if w.scaling.gpus_per_worker:
         resources["GPU"] = w.scaling.gpus_per_worker
@@ -197,6 +199,7 @@ def _trainer(loaded: LoadedWorkload, run_name: str, storage: Storage, config: di
         train_loop_config=config,
         scaling_config=ray.train.ScalingConfig(
             num_workers=low if low == high else (low, high),
+            elastic_resize_monitor_interval_s=w.scaling.resize_interval_s,
             use_gpu=bool(w.scaling.gpus_per_worker),
             resources_per_worker=resources,
         ),

@@ -115,6 +115,7 @@ class ScalingSpec(Section):
     gpus_per_worker: float = Field(0, ge=0)
     cpus_per_worker: PositiveFloat = 1
     threads_per_worker: PositiveInt | None = None
+    resize_interval_s: PositiveFloat = 30  # elastic runs: how often to look for room to grow
 
     def worker_range(self) -> tuple[int, int]:
         if isinstance(self.workers, ElasticWorkers):
@@ -139,6 +140,9 @@ class CheckpointSpec(Section):
 class FailureSpec(Section):
     max_restarts: int = Field(3, ge=0)
     hang_timeout_s: PositiveFloat = 600
+    worker_start_timeout_s: PositiveFloat = (
+        30  # a restart that cannot place its workers in time retries smaller
+    )
     on_nan: Literal["fail", "skip", "rollback"] = "fail"
     max_nan_steps: int = Field(3, ge=0)  # non-finite steps skipped or rolled back before the run fails
 

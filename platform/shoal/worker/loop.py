@@ -109,6 +109,10 @@ class Trainer:
             restored_from = self.saved_step = self.position.step
         if restored is None or not restored.rng_restored:  # a rank new to the run gets its own seed
             seed_everything(self.train_spec["seed"] * 7919 + self.rank + 1000 * self.position.step)
+        if restored is not None and old_world != self.world:
+            self.reporter.event(
+                "resized", step=self.position.step, previous_world_size=old_world, world_size=self.world
+            )
         self.reporter.event(
             "attempt_started" if reason == "start" else "rolled_back",
             world_size=self.world,

@@ -86,7 +86,7 @@ class SampleAudit:
 
     def record(self, step: int, epoch: int, group: list) -> None:
         ids = [int(i) for item in group if "id" in item.batch for i in item.batch["id"].tolist()]
-        line = {"attempt": self.attempt, "step": step, "epoch": epoch, "ids": ids}
+        line = {"attempt": self.attempt, "step": step, "epoch": epoch, "ids": ids, "time": time.time()}
         self._file.write(json.dumps(line) + "\n")
         self._file.flush()
 
