@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.shoal-installed
 
-.PHONY: run test bench lint format clean
+.PHONY: run test bench bench-recovery lint format clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -33,3 +33,6 @@ clean:
 
 bench: $(STAMP)
 	$(BIN)/python bench/run.py --repeats 3
+
+bench-recovery: $(STAMP)
+	$(BIN)/python bench/recovery.py --repeats 2

@@ -19,18 +19,21 @@ from tests.integration.helpers import events, loss_steps, registered, shoal_cli,
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 
 
+def run_and_kill_driver(args: list[str], cwd: Path, run_dir: Path, checkpoint_name: str) -> None:
+    driver = shoal_cli(args, cwd)
+    wait_for(lambda: registered(run_dir, checkpoint_name) or driver.poll() is not None, 300, checkpoint_name)
+    assert driver.poll() is None, "the run ended before it could be killed"
+    driver.send_signal(signal.SIGKILL)  # no handler runs: MLflow still says RUNNING
+    driver.communicate(timeout=60)
+
+
 def test_killed_driver_resumes_into_the_same_mlflow_run(workdir: Path, ray_cluster: str) -> None:
     spec = str(WORKLOADS / "quickstart.yaml")
-    first = shoal_cli(
-        ["run", spec, "--address", ray_cluster, "--run-name", "drv", "--set", "checkpoint.every_steps=50"],
-        workdir,
-    )
+    args = ["run", spec, "--address", ray_cluster, "--run-name", "drv", "--set", "checkpoint.every_steps=50"]
     run_dir = workdir / "shoal_runs" / "drv"
-    wait_for(
-        lambda: registered(run_dir, "checkpoint-00000100") or first.poll() is not None, 300, "checkpoint"
-    )
-    first.send_signal(signal.SIGKILL)  # no handler runs: MLflow still says RUNNING
-    first.communicate(timeout=60)
+    run_and_kill_driver(args, workdir, run_dir, "checkpoint-00000100")
+    # the same command again resumes from step 100, and is killed again
+    run_and_kill_driver(args, workdir, run_dir, "checkpoint-00000200")
 
     client = MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
     (orphan,) = client.search_runs([client.get_experiment_by_name("quickstart").experiment_id])
@@ -50,8 +53,9 @@ def test_killed_driver_resumes_into_the_same_mlflow_run(workdir: Path, ray_clust
     assert loss_steps(client, orphan.info.run_id) == list(range(1, 401))
     history = events(client, orphan.info.run_id, workdir)
     starts = [e for e in history if e["kind"] == "attempt_started"]
-    assert len(starts) >= 2 and starts[0]["restored_step"] is None and starts[-1]["restored_step"] >= 100
-    assert [e["kind"] for e in history].count("job_resumed") == 1
+    assert len(starts) >= 3 and starts[0]["restored_step"] is None and starts[-1]["restored_step"] >= 200
+    assert 100 <= starts[1]["restored_step"] < 200
+    assert [e["kind"] for e in history].count("job_resumed") == 2
     assert int(resumed.data.tags["shoal.attempts"]) == len(starts)
 
     again = shoal_cli(["resume", orphan.info.run_id, "--tracking-uri", uri], other_dir)

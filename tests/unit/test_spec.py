@@ -240,3 +240,10 @@ def test_storage_must_be_a_directory(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     (error,) = errors_of(WORKLOADS / "quickstart.yaml", [f"checkpoint.storage={tmp_path / 'file'}"])
     assert "checkpoint.storage" in error and "is not a directory" in error
+
+
+def test_storage_must_be_a_directory_or_s3() -> None:
+    (error,) = errors_of(WORKLOADS / "quickstart.yaml", ["checkpoint.storage=gs://bucket/runs"])
+    assert "checkpoint.storage: 'gs://bucket/runs' is neither a directory nor s3://bucket/prefix" in error
+    (error,) = errors_of(WORKLOADS / "quickstart.yaml", ["checkpoint.endpoint=http://127.0.0.1:9000"])
+    assert "checkpoint.endpoint: 'http://127.0.0.1:9000' is for s3:// storage" in error

@@ -18,7 +18,7 @@ BEST_DIR, BEST_FILE = "best-checkpoint", "best.json"
 class BestKeeper:
     def __init__(self, storage: Storage, run_name: str, metric: str, mode: str, set_tags: Any):
         self.storage, self.metric, self.mode, self.set_tags = storage, metric, mode, set_tags
-        self.run_path = storage.run_path(run_name)
+        self.run_path, self.run_uri = storage.run_path(run_name), storage.run_uri(run_name)
         self.best = storage.read_json(f"{self.run_path}/{BEST_FILE}")  # survives driver restarts
 
     def offer(self, checkpoint_path: str, step: int, score: float | None) -> bool:
@@ -35,7 +35,7 @@ class BestKeeper:
         self.storage.write_json(f"{self.run_path}/{BEST_FILE}", self.best)
         self.set_tags(
             {
-                "shoal.best_checkpoint": f"{self.storage.uri}/{target.rsplit('/', 2)[-2]}/{BEST_DIR}",
+                "shoal.best_checkpoint": f"{self.run_uri}/{BEST_DIR}",
                 "shoal.best_step": step,
                 f"shoal.best_{self.metric.replace('/', '_')}": score,
             }

@@ -171,9 +171,19 @@ def check_precision(workload: Workload, source: Source) -> list[SpecIssue]:
 
 
 def check_storage(workload: Workload, source: Source) -> list[SpecIssue]:
-    storage = workload.checkpoint.storage
-    if "://" in storage:
+    storage, endpoint = workload.checkpoint.storage, workload.checkpoint.endpoint
+    if storage.startswith("s3://"):
         return []
+    if "://" in storage:
+        return [
+            _issue(source, "checkpoint.storage", f"'{storage}' is neither a directory nor s3://bucket/prefix")
+        ]
+    if endpoint:
+        return [
+            _issue(
+                source, "checkpoint.endpoint", f"'{endpoint}' is for s3:// storage (storage is '{storage}')"
+            )
+        ]
     probe = Path(storage).resolve()
     while not probe.exists():
         probe = probe.parent

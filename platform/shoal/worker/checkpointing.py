@@ -83,6 +83,7 @@ class Checkpointer:
         pending, self.pending = self.pending, None
         if pending is None:
             return
+        handed_over = False
         try:
             if pending.future is not None:
                 pending.future.result()
@@ -91,9 +92,12 @@ class Checkpointer:
                 {**pending.summary, **(extra or {}), "checkpointed": True},
                 checkpoint=ray.train.Checkpoint.from_directory(str(pending.directory)),
                 checkpoint_dir_name=pending.name,
+                upload_in_background=self.background,
             )
+            handed_over = self.background  # Ray deletes the directory after its upload
         finally:
-            shutil.rmtree(pending.directory, ignore_errors=True)
+            if not handed_over:
+                shutil.rmtree(pending.directory, ignore_errors=True)
 
     # -- restoring --------------------------------------------------------------------
     def restore(self) -> Restored | None:

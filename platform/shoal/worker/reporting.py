@@ -59,10 +59,17 @@ class Reporter:
         summary: dict[str, Any],
         checkpoint: Any = None,
         checkpoint_dir_name: str | None = None,
+        upload_in_background: bool = False,
     ) -> None:
         import ray.train
 
         metrics = {**summary, "shoal_steps": self.steps, "shoal_events": self.events}
-        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=checkpoint_dir_name)
+        options = {}
+        if upload_in_background:  # Ray copies to storage on a thread, then deletes the local files
+            options = {
+                "checkpoint_upload_mode": ray.train.CheckpointUploadMode.ASYNC,
+                "delete_local_checkpoint_after_upload": True,
+            }
+        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=checkpoint_dir_name, **options)
         self.steps, self.events = [], []
         self.stats.reported()

@@ -1,0 +1,65 @@
+"""Checkpoint storage and the best-checkpoint keeper, on the local filesystem."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from shoal.launch.retention import BestKeeper
+from shoal.launch.storage import StorageError, open_storage, probe
+
+
+def test_local_and_s3_storage_are_told_apart(tmp_path: Path) -> None:
+    local = open_storage(str(tmp_path / "runs"))
+    assert not local.remote and local.run_uri("job") == f"{tmp_path}/runs/job"
+    assert local.local_run_dir("job") == tmp_path / "runs" / "job"
+    remote = open_storage("s3://bucket/some/prefix/", "http://127.0.0.1:9000")
+    assert (
+        remote.remote
+        and remote.path == "bucket/some/prefix"
+        and remote.run_uri("job") == "s3://bucket/some/prefix/job"
+    )
+    with pytest.raises(StorageError, match="neither a directory nor s3://"):
+        open_storage("gs://bucket/x")
+
+
+def test_probe_names_storage_that_cannot_be_written(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    storage = open_storage(str(tmp_path / "file" / "runs"))
+    with pytest.raises(StorageError, match=f"cannot write to {tmp_path}/file/runs"):
+        probe(storage)
+    probe(open_storage(str(tmp_path / "fine")))
+    assert (tmp_path / "fine").is_dir() and not list((tmp_path / "fine").iterdir())
+
+
+def _checkpoint(root: Path, step: int) -> str:
+    directory = root / "job" / f"checkpoint-{step:08d}"
+    directory.mkdir(parents=True)
+    (directory / "weights").write_text(str(step))
+    return str(directory)
+
+
+def test_best_keeper_copies_each_new_best_and_survives_restarts(tmp_path: Path) -> None:
+    storage = open_storage(str(tmp_path))
+    tags: dict = {}
+    keeper = BestKeeper(storage, "job", "val/loss", "min", tags.update)
+    assert keeper.offer(_checkpoint(tmp_path, 10), 10, 2.0)
+    assert keeper.offer(_checkpoint(tmp_path, 20), 20, 1.5)
+    assert not keeper.offer(_checkpoint(tmp_path, 30), 30, 1.7)  # worse: the best stays at step 20
+    assert not keeper.offer(_checkpoint(tmp_path, 40), 40, None)  # no score at this step
+    assert (tmp_path / "job" / "best-checkpoint" / "weights").read_text() == "20"
+    assert json.loads((tmp_path / "job" / "best.json").read_text())["step"] == 20
+    assert tags["shoal.best_step"] == 20 and tags["shoal.best_val_loss"] == 1.5
+    assert tags["shoal.best_checkpoint"] == f"{tmp_path}/job/best-checkpoint"
+
+    again = BestKeeper(storage, "job", "val/loss", "min", tags.update)  # a new driver
+    assert not again.offer(_checkpoint(tmp_path, 50), 50, 1.6)
+    assert again.offer(_checkpoint(tmp_path, 60), 60, 1.2)
+    assert (tmp_path / "job" / "best-checkpoint" / "weights").read_text() == "60"
+    accuracy = BestKeeper(storage, "acc", "val/accuracy", "max", tags.update)
+    (tmp_path / "acc").mkdir()
+    assert accuracy.offer(_checkpoint(tmp_path, 70), 70, 0.9) and not accuracy.offer(
+        _checkpoint(tmp_path, 80), 80, 0.8
+    )
