@@ -19,25 +19,33 @@ from tests.integration.helpers import events, loss_steps, registered, shoal_cli,
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 
 
-def run_and_kill_driver(args: list[str], cwd: Path, run_dir: Path, checkpoint_name: str) -> None:
+def run_and_stop_driver(
+    args: list[str], cwd: Path, run_dir: Path, checkpoint_name: str, sig: int
+) -> tuple[int, str, str]:
     driver = shoal_cli(args, cwd)
     wait_for(lambda: registered(run_dir, checkpoint_name) or driver.poll() is not None, 300, checkpoint_name)
-    assert driver.poll() is None, "the run ended before it could be killed"
-    driver.send_signal(signal.SIGKILL)  # no handler runs: MLflow still says RUNNING
-    driver.communicate(timeout=60)
+    assert driver.poll() is None, "the run ended before it could be stopped"
+    driver.send_signal(sig)
+    out, err = driver.communicate(timeout=120)
+    return driver.returncode, out, err
 
 
-def test_killed_driver_resumes_into_the_same_mlflow_run(workdir: Path, ray_cluster: str) -> None:
+def test_ctrl_c_and_killed_driver_resume_into_the_same_mlflow_run(workdir: Path, ray_cluster: str) -> None:
     spec = str(WORKLOADS / "quickstart.yaml")
     args = ["run", spec, "--address", ray_cluster, "--run-name", "drv", "--set", "checkpoint.every_steps=50"]
     run_dir = workdir / "shoal_runs" / "drv"
-    run_and_kill_driver(args, workdir, run_dir, "checkpoint-00000100")
-    # the same command again resumes from step 100, and is killed again
-    run_and_kill_driver(args, workdir, run_dir, "checkpoint-00000200")
-
     client = MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
+
+    code, out, err = run_and_stop_driver(args, workdir, run_dir, "checkpoint-00000100", signal.SIGINT)
+    assert code == 130 and "KILLED" in out and "Traceback" not in err, err
+    (run,) = client.search_runs([client.get_experiment_by_name("quickstart").experiment_id])
+    assert run.info.status == "KILLED" and max(loss_steps(client, run.info.run_id)) >= 100
+
+    # The same command resumes from the latest checkpoint; this time the driver is SIGKILLed:
+    # no handler runs, so MLflow still says RUNNING.
+    run_and_stop_driver(args, workdir, run_dir, "checkpoint-00000200", signal.SIGKILL)
     (orphan,) = client.search_runs([client.get_experiment_by_name("quickstart").experiment_id])
-    assert orphan.info.status == "RUNNING"
+    assert orphan.info.run_id == run.info.run_id and orphan.info.status == "RUNNING"
 
     other_dir = workdir / "elsewhere"  # resume works from any directory: the run records where it was
     other_dir.mkdir()
@@ -55,6 +63,7 @@ def test_killed_driver_resumes_into_the_same_mlflow_run(workdir: Path, ray_clust
     starts = [e for e in history if e["kind"] == "attempt_started"]
     assert len(starts) >= 3 and starts[0]["restored_step"] is None and starts[-1]["restored_step"] >= 200
     assert 100 <= starts[1]["restored_step"] < 200
+    assert len(client.search_runs([resumed.info.experiment_id])) == 1
     assert [e["kind"] for e in history].count("job_resumed") == 2
     assert int(resumed.data.tags["shoal.attempts"]) == len(starts)
 
