@@ -314,5 +314,5 @@ def _fill_result(result: RunResult, recorder: Recorder) -> None:
     result.step, result.total_steps, result.restarts = state.step, state.total_steps, state.restarts
     result.metrics = {**{k: v for k, v in state.latest.items() if k == "train/loss"}, **state.evals}
     result.checkpoint = state.checkpoints[-1] if state.checkpoints else None
-    starts = [e for e in state.events if e["kind"] == "attempt_started"]
+    starts = [e for e in state.events[recorder.earlier_events :] if e["kind"] == "attempt_started"]
     result.resumed_from = starts[0].get("restored_step") if starts else None

@@ -40,6 +40,7 @@ class Recorder:
         self.state = RunState()
         self.logged_until = run.logged_until
         self.logged_evals: set[int] = set()
+        self.earlier_events = 0  # events recorded by earlier drivers of a resumed job
         if run.resumed:
             history = run.client.get_metric_history(run.run_id, "val/loss")
             self.logged_evals = {m.step for m in history}
@@ -51,6 +52,7 @@ class Recorder:
         self.state.attempts = int(tags.get("shoal.attempts", 0))
         self.state.restarts = int(tags.get("shoal.restarts", 0))
         self.state.events = self.run.read_json("events.json") or []
+        self.earlier_events = len(self.state.events)
         self._event({"kind": "job_resumed", "time": time.time(), "previous_attempts": self.state.attempts})
 
     def handle(self, message: dict[str, Any]) -> None:
