@@ -65,8 +65,8 @@ def step_seconds(workdir: Path, run_name: str) -> dict[int, float]:
     }
 
 
-def stall_run(workdir: Path, mode: str, tag: str) -> float:
-    """Seconds of training-step time for steps 2..STALL_STEPS."""
+def stall_run(workdir: Path, mode: str, tag: str) -> dict[int, float]:
+    """Seconds each training step took (from MLflow's per-step samples/s)."""
     name = f"stall-{mode}-{tag}"
     overrides = {
         "model.args": BIG_GPT,
@@ -81,8 +81,7 @@ def stall_run(workdir: Path, mode: str, tag: str) -> float:
     for key, value in overrides.items():
         args += ["--set", f"{key}={value}"]
     shoal(args, workdir)
-    seconds = step_seconds(workdir, name)
-    return sum(v for step, v in seconds.items() if step > 1)
+    return step_seconds(workdir, name)
 
 
 def first_step_after(run_dir: Path, moment: float) -> float:
@@ -117,7 +116,7 @@ def node_loss_recovery(workdir: Path, tag: str) -> float:
     cluster = Cluster(
         initialize_head=True,
         connect=False,
-        head_node_args={"num_cpus": 1, "_system_config": FAST_NODE_FAILURE, "include_dashboard": False},
+        head_node_args={"num_cpus": 1, "_system_config": dict(FAST_NODE_FAILURE), "include_dashboard": False},
     )
     try:
         cluster.add_node(num_cpus=2)
@@ -150,12 +149,22 @@ def summarise(values: list[float]) -> str:
     return f"{statistics.median(values):.3g} ({min(values):.3g}-{max(values):.3g})"
 
 
-def render(results: dict[str, list[float]], repeats: int) -> str:
-    none, sync, background = results["none"], results["sync"], results["async"]
+def stalls(steps: dict[int, float], baseline: dict[int, float]) -> tuple[float, float]:
+    """(total extra step time per checkpoint, extra time of the step right after a checkpoint):
+    the save blocks the step after it; an async write then competes with the steps that follow."""
+    after = [c + 1 for c in range(STALL_EVERY, STALL_STEPS, STALL_EVERY)]
+    typical = statistics.median(v for s, v in baseline.items() if s > 1)
+    total = sum(v for s, v in steps.items() if s > 1) - sum(v for s, v in baseline.items() if s > 1)
+    return total / len(after), statistics.median(steps[s] - typical for s in after)
+
+
+def render(results: dict[str, list], repeats: int) -> str:
+    none = results["none"]
     checkpoints = (STALL_STEPS - 1) // STALL_EVERY
-    per_sync = [(s - n) / checkpoints for s, n in zip(sync, none, strict=True)]
-    per_async = [(a - n) / checkpoints for a, n in zip(background, none, strict=True)]
-    ratio = [a / s for a, s in zip(per_async, per_sync, strict=True)]
+    sync = [stalls(s, n) for s, n in zip(results["sync"], none, strict=True)]
+    background = [stalls(a, n) for a, n in zip(results["async"], none, strict=True)]
+    ratio = [a[0] / s[0] for a, s in zip(background, sync, strict=True)]
+    blocking_ratio = [a[1] / s[1] for a, s in zip(background, sync, strict=True)]
     settings = ", ".join(f"`{k}={v}`" for k, v in FAST_NODE_FAILURE.items())
     return "\n".join(
         [
@@ -166,9 +175,14 @@ def render(results: dict[str, list[float]], repeats: int) -> str:
             "| figure | seconds |",
             "| --- | --- |",
             f"| training stall per checkpoint, sync (48M-param GPT, FSDP, 2 workers, 576 MB with Adam) "
-            f"| {summarise(per_sync)} |",
-            f"| training stall per checkpoint, async | {summarise(per_async)} |",
+            f"| {summarise([x[0] for x in sync])} |",
+            f"| training stall per checkpoint, async | {summarise([x[0] for x in background])} |",
             f"| async / sync stall (ratio) | {summarise(ratio)} |",
+            f"| blocking: extra time of the step after a checkpoint, sync | "
+            f"{summarise([x[1] for x in sync])} |",
+            f"| blocking: extra time of the step after a checkpoint, async | "
+            f"{summarise([x[1] for x in background])} |",
+            f"| async / sync blocking (ratio) | {summarise(blocking_ratio)} |",
             f"| SIGKILLed worker -> next step (quickstart, 2 workers) | {summarise(results['kill'])} |",
             f"| removed node -> next step (elastic 1-2 workers, 3-node local cluster) "
             f"| {summarise(results['node'])} |",
@@ -189,13 +203,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", default=str(REPO / "BENCHMARKS.md"))
     args = parser.parse_args()
-    results: dict[str, list[float]] = {k: [] for k in ("none", "sync", "async", "kill", "node")}
+    results: dict[str, list] = {k: [] for k in ("none", "sync", "async", "kill", "node")}
     with tempfile.TemporaryDirectory(prefix="shoal-bench-recovery-") as tmp:
         workdir = Path(tmp)
         for repeat in range(args.repeats):
             for mode in ("none", "sync", "async"):
                 results[mode].append(stall_run(workdir, mode, f"r{repeat}"))
-                print(f"stall {mode} r{repeat}: {results[mode][-1]:.2f} s of step time", flush=True)
+                print(
+                    f"stall {mode} r{repeat}: {sum(results[mode][-1].values()):.2f} s of step time",
+                    flush=True,
+                )
             results["kill"].append(worker_kill_recovery(workdir, f"r{repeat}"))
             print(f"worker kill r{repeat}: {results['kill'][-1]:.1f} s", flush=True)
             results["node"].append(node_loss_recovery(workdir, f"r{repeat}"))

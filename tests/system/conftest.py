@@ -42,7 +42,7 @@ def local_cluster() -> Iterator:
     cluster = Cluster(
         initialize_head=True,
         connect=False,
-        head_node_args={"num_cpus": 1, "_system_config": FAST_NODE_FAILURE, "include_dashboard": False},
+        head_node_args={"num_cpus": 1, "_system_config": dict(FAST_NODE_FAILURE), "include_dashboard": False},
     )
     try:
         yield cluster
