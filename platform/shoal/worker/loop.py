@@ -86,6 +86,9 @@ class Trainer:
         self.nan_steps = 0
         self.last_loss = math.nan
         self.last_eval: dict[str, float] = {}
+        # What was recorded since the last checkpoint goes into the next one, so that a driver
+        # killed before it logged them gets them again from the restored attempt.
+        self.unsaved: dict[str, list] = {"steps": [], "evals": []}
         self.reporter = Reporter(StepStats(self.world, config["report_interval_s"], self.rank == 0))
         background = self.spec["checkpoint"]["async"]
         self.checkpointer = Checkpointer(self.engine, self.rank, background, self.reporter)
@@ -106,6 +109,10 @@ class Trainer:
                 )
             self.skipped_steps |= {tuple(s) for s in state["skipped_steps"]}
             self.nan_steps = max(self.nan_steps, state["nan_steps"])
+            recent = state["recent"]  # the driver logs only what it has not logged yet
+            self.reporter.steps = [*recent["steps"], *self.reporter.steps]
+            self.reporter.events += recent["evals"]
+            self.unsaved = {"steps": list(recent["steps"]), "evals": list(recent["evals"])}
             restored_from = self.saved_step = self.position.step
         if restored is None or not restored.rng_restored:  # a rank new to the run gets its own seed
             seed_everything(self.train_spec["seed"] * 7919 + self.rank + 1000 * self.position.step)
@@ -135,6 +142,7 @@ class Trainer:
             "scheduler": self.engine.schedulers[0].state_dict(),
             "skipped_steps": sorted(self.skipped_steps),
             "nan_steps": self.nan_steps,
+            "recent": self.unsaved,
         }
 
     def save(self, final: bool = False) -> None:
@@ -146,6 +154,7 @@ class Trainer:
         summary = self._summary(final=final)
         name = f"checkpoint-{self.position.step:08d}"
         self.checkpointer.save(name, self._trainer_state(), summary)
+        self.unsaved = {"steps": [], "evals": []}
         if final:
             self.checkpointer.finish_pending()
 
@@ -176,6 +185,7 @@ class Trainer:
         self.last_eval = {**results, "train/loss": self.last_loss}
         if results:
             self.reporter.event("eval", step=self.position.step, **results)
+            self.unsaved["evals"].append(self.reporter.events[-1])
 
     def _stream(self) -> Any:
         import ray.train
@@ -316,6 +326,7 @@ class Trainer:
         if self.engine.precision.scaler is not None:
             record["train/skipped_steps"] = self.engine.precision.skipped_steps
         self.reporter.record_step(record)
+        self.unsaved["steps"].append(record)
         self.data_wait = 0.0
 
     def _fail(self, reason: str) -> None:
