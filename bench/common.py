@@ -31,6 +31,22 @@ def steady_tokens_per_s(step_ends: list[float], tokens_per_step: int) -> float:
     return tokens_per_step / statistics.median(durations)
 
 
+def train_step(model, optimizer, tokens, autocast):  # noqa: ANN001, ANN201 (plain torch objects)
+    """One plain step, as each peer writes it: forward, loss, backward, clip, AdamW.
+    Returns the loss tensor (no device sync here)."""
+    import torch
+    import torch.nn.functional as F
+
+    with autocast:
+        logits = model(tokens[:, :-1])
+    loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    return loss.detach()
+
+
 def write_result(path: str | None, **fields: float) -> None:
     if path:
         Path(path).write_text(json.dumps(fields))

@@ -14,7 +14,6 @@ from contextlib import nullcontext
 import ray
 import ray.train
 import torch
-import torch.nn.functional as F
 from ray.train.torch import TorchTrainer, prepare_model
 
 from bench.common import (
@@ -25,6 +24,7 @@ from bench.common import (
     data_dir,
     process_start,
     steady_tokens_per_s,
+    train_step,
     write_result,
 )
 from shoal.models.gpt import GPT
@@ -39,14 +39,7 @@ def train_fn(config: dict) -> None:
     shard = ray.train.get_dataset_shard("train")
     step_ends = []
     for batch in shard.iter_torch_batches(batch_size=MICRO_BATCH, drop_last=True):
-        tokens = batch["tokens"].long()
-        with autocast:
-            logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        loss = train_step(model, optimizer, batch["tokens"].long(), autocast)
         step_ends.append(time.time())
         if len(step_ends) == config["steps"]:
             break

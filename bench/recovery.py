@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.run import machine  # noqa: E402
-from tests.integration.helpers import registered, wait_for, worker_pid  # noqa: E402
+from tests.integration.helpers import registered, shoal_cli, wait_for, worker_pid  # noqa: E402
 from tests.system.conftest import FAST_NODE_FAILURE  # noqa: E402
 
 BIG_GPT = "{n_layers: 12, d_model: 576, n_heads: 8, vocab_size: 256, seq_len: 128, tie_embeddings: true}"
@@ -36,16 +36,9 @@ SECTION = "## Checkpoints and recovery"
 
 
 def shoal(args: list[str], cwd: Path, wait: bool = True, **env: str) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [str(Path(sys.executable).parent / "shoal"), *args],
-        cwd=cwd,
-        env={**os.environ, "PYTHONPATH": str(REPO), **env},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = shoal_cli(args, cwd, PYTHONPATH=str(REPO), **env)
     if wait:
-        out, err = proc.communicate(timeout=1800)
+        _, err = proc.communicate(timeout=1800)
         if proc.returncode != 0:
             raise RuntimeError(f"shoal {' '.join(args)} failed:\n{err[-3000:]}")
     return proc

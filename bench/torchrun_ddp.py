@@ -14,11 +14,19 @@ from contextlib import nullcontext
 import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from bench.common import GPT_ARGS, LR, MICRO_BATCH, data_dir, process_start, steady_tokens_per_s, write_result
+from bench.common import (
+    GPT_ARGS,
+    LR,
+    MICRO_BATCH,
+    data_dir,
+    process_start,
+    steady_tokens_per_s,
+    train_step,
+    write_result,
+)
 from shoal.models.gpt import GPT
 
 
@@ -44,14 +52,7 @@ def main() -> None:
 
     step_ends, first_step_at = [], None
     for (batch,) in loader:
-        batch = batch.long()
-        with autocast:
-            logits = model(batch[:, :-1])
-        loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        loss = train_step(model, optimizer, batch.long(), autocast)
         step_ends.append(time.time())
         first_step_at = first_step_at or step_ends[-1]
         if len(step_ends) == args.steps:

@@ -7,6 +7,7 @@ it is shut down by this process only: no `ray stop`.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,6 +38,18 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ray_cluster: str) -
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     return tmp_path
+
+
+def run_in_thread(
+    workdir: Path, data: dict, run_name: str, overrides: list[str] | None = None
+) -> tuple[threading.Thread, dict[str, RunResult]]:
+    """`run_workload` on a thread, so that a test can inject faults meanwhile."""
+    outcome: dict[str, RunResult] = {}
+    runner = threading.Thread(
+        target=lambda: outcome.update(result=run_workload(workdir, data, overrides, run_name))
+    )
+    runner.start()
+    return runner, outcome
 
 
 def run_workload(

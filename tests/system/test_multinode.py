@@ -72,7 +72,6 @@ def test_node_added_then_removed_keeps_data_exactly_once(workdir: Path, local_cl
         wait_for(
             lambda: registered(run_dir, "checkpoint-00000040") or driver.poll() is not None, 300, "step 40"
         )
-        assert 1 not in rank_files(run_dir), "started with two workers on one 2-CPU node"
 
         second_node = local_cluster.add_node(num_cpus=2)  # room for a second worker: grow
         wait_for(lambda: 1 in rank_files(run_dir) or driver.poll() is not None, 120, "the resize to 2")

@@ -8,7 +8,6 @@ Logs, worker pid files and sample audits always go to a local run directory.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,8 @@ from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
 
-CHECKPOINT_DIR = re.compile(r"^checkpoint-\d+$")
+from shoal.worker.checkpoint import checkpoint_steps
+
 LOCAL_RUNS = "./shoal_runs"
 
 
@@ -44,13 +44,8 @@ class Storage:
 
     def checkpoints(self, run_name: str) -> list[str]:
         """The run's checkpoint directory names, oldest first."""
-        selector = pafs.FileSelector(self.run_path(run_name), allow_not_found=True)
-        names = [
-            info.base_name
-            for info in self.filesystem.get_file_info(selector)
-            if info.type == pafs.FileType.Directory and CHECKPOINT_DIR.match(info.base_name)
-        ]
-        return sorted(names, key=lambda n: int(n.split("-")[1]))
+        steps = checkpoint_steps(self.filesystem, self.run_path(run_name))
+        return sorted(steps, key=steps.get)
 
     def read_json(self, path: str) -> Any:
         if self.filesystem.get_file_info(path).type != pafs.FileType.File:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import zlib
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -79,6 +80,22 @@ def _states(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> 
         model.update(get_model_state_dict(part))
         optim.update(get_optimizer_state_dict(part, optimizer, options=_FLAT))
     return {"model": model, "optim": optim}
+
+
+CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
+
+
+def checkpoint_steps(filesystem: Any, directory: str) -> dict[str, int]:
+    """The checkpoint directories under a run directory (any pyarrow filesystem), name -> step."""
+    import pyarrow.fs as pafs
+
+    infos = filesystem.get_file_info(pafs.FileSelector(directory, allow_not_found=True))
+    found = {}
+    for info in infos:
+        match = CHECKPOINT_NAME.match(info.base_name)
+        if match and info.type == pafs.FileType.Directory:
+            found[info.base_name] = int(match.group(1))
+    return found
 
 
 def write_extras(directory: Path, rank: int, trainer_state: dict[str, Any] | None) -> None:

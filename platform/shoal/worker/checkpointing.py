@@ -14,7 +14,6 @@ the first step at which every rank's write has finished.
 
 from __future__ import annotations
 
-import re
 import shutil
 import tempfile
 from concurrent.futures import Future
@@ -27,8 +26,6 @@ import torch.distributed as dist
 from shoal.worker import checkpoint
 from shoal.worker.engine import Engine
 from shoal.worker.reporting import Reporter
-
-CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
 
 
 @dataclass
@@ -65,10 +62,10 @@ class Checkpointer:
             self.engine.optimizers,
             self.rank,
             state,
-            process_group=self.group if self.background else None,
+            process_group=self.group,
         )
         self.pending = PendingSave(directory, future, summary, name)
-        if not self.background:
+        if future is None:
             self.finish_pending()
 
     def written_here(self) -> bool:
@@ -109,7 +106,7 @@ class Checkpointer:
             return None
         for candidate in [latest, *older_checkpoints(latest)]:
             with candidate.as_directory() as directory:
-                problem = checkpoint.verify(Path(directory))
+                problem = self._verified_by_rank0(Path(directory))
                 if problem is None:
                     state, rng = checkpoint.restore(
                         Path(directory),
@@ -123,20 +120,21 @@ class Checkpointer:
         parent = Path(latest.path).parent
         raise RuntimeError(f"no intact checkpoint in {parent}: every one failed verification")
 
+    def _verified_by_rank0(self, directory: Path) -> str | None:
+        """`checkpoint.verify` reads every file of the checkpoint: rank 0 does it for all."""
+        verdict = [checkpoint.verify(directory) if self.rank == 0 else None]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(verdict, src=0)
+        return verdict[0]
+
 
 def older_checkpoints(latest: Any) -> list[Any]:
-    """The run's other checkpoint directories, newest first (same filesystem as `latest`)."""
-    import pyarrow.fs
+    """The run's checkpoints older than `latest`, newest first (same filesystem)."""
     import ray.train
 
     parent, own = str(Path(latest.path).parent), Path(latest.path).name
-    infos = latest.filesystem.get_file_info(pyarrow.fs.FileSelector(parent))
-    names = [
-        info.base_name
-        for info in infos
-        if info.type == pyarrow.fs.FileType.Directory and CHECKPOINT_NAME.match(info.base_name)
-    ]
-    newest = int(own.split("-")[1]) if CHECKPOINT_NAME.match(own) else None
-    steps = {n: int(n.split("-")[1]) for n in names if n != own}
-    ordered = sorted((n for n in steps if newest is None or steps[n] < newest), key=steps.get, reverse=True)
-    return [ray.train.Checkpoint(f"{parent}/{n}", filesystem=latest.filesystem) for n in ordered]
+    steps = checkpoint.checkpoint_steps(latest.filesystem, parent)
+    newest = steps.get(own)
+    older = [n for n, step in steps.items() if n != own and (newest is None or step < newest)]
+    older.sort(key=steps.get, reverse=True)
+    return [ray.train.Checkpoint(f"{parent}/{n}", filesystem=latest.filesystem) for n in older]

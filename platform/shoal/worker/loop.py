@@ -241,8 +241,7 @@ class Trainer:
             last = group[-1]
             self.position.epoch = last.epoch
             self.position.batches_in_epoch = (last.index // per_step + 1) * per_step
-            samples = self.global_batch
-            self.position.samples += samples
+            self.position.samples += self.global_batch
             if not math.isfinite(loss):
                 outcome = self._non_finite(loss, last.epoch, last.index // per_step)
                 if outcome != "skip":
@@ -255,7 +254,7 @@ class Trainer:
             if self.audit:
                 self.audit.record(self.position.step, last.epoch, group)
             elapsed, started = time.perf_counter() - started, time.perf_counter()
-            self._record(loss, samples, elapsed, predicted_per_sample=self._predicted(last.batch))
+            self._record(loss, self.global_batch, elapsed, predicted_per_sample=self._predicted(last.batch))
             step, done = self.position.step, self.position.step >= self.total_steps
             if done or (every_eval and step % every_eval == 0):
                 self._evaluate()
