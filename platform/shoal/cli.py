@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from shoal.spec import LoadedWorkload
 
 EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+DASHBOARD = "http://127.0.0.1:8265"
 console = Console(highlight=False)
 errors = Console(stderr=True, highlight=False)
 
@@ -38,6 +39,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--address", help="Ray cluster to attach to (HOST:PORT); default: start a local Ray")
     run.add_argument("--run-name", help="name of the run; reuse it to resume that run")
     run.add_argument("--verbose", action="store_true", help="show Ray's own logs in the terminal")
+    run.add_argument("--mlflow-run-id", help=argparse.SUPPRESS)  # made beforehand by `shoal submit`
 
     resume = commands.add_parser("resume", help="resume an MLflow run from its latest checkpoint")
     resume.add_argument("run_id", help="the MLflow run id that `shoal run` printed")
@@ -46,6 +48,37 @@ def _parser() -> argparse.ArgumentParser:
     )
     resume.add_argument("--address", help="Ray cluster to attach to (HOST:PORT); default: start a local Ray")
     resume.add_argument("--verbose", action="store_true", help="show Ray's own logs in the terminal")
+
+    sweep = commands.add_parser("sweep", help="search hyperparameters with Ray Tune (the 'sweep' section)")
+    sweep.add_argument("file", help="workload YAML with a 'sweep' section")
+    sweep.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    sweep.add_argument("--address", help="Ray cluster to attach to (HOST:PORT); default: start a local Ray")
+    sweep.add_argument("--name", help="name of the sweep (default: WORKLOAD-sweep-TIMESTAMP)")
+    sweep.add_argument(
+        "--resume", action="store_true", help="continue the latest (or --name) sweep of this workload"
+    )
+    sweep.add_argument("--verbose", action="store_true", help="show Ray's own logs in the terminal")
+
+    submit = commands.add_parser("submit", help="run a workload as a Ray job on a (remote) cluster")
+    submit.add_argument("file", help="workload YAML, inside the working directory")
+    submit.add_argument(
+        "--address", help=f"Ray dashboard URL (default: $RAY_API_SERVER_ADDRESS or {DASHBOARD})"
+    )
+    submit.add_argument("--working-dir", help="directory uploaded with the job (default: the current one)")
+    submit.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    submit.add_argument("--run-name", help="name of the run (default: WORKLOAD-TIMESTAMP)")
+    submit.add_argument(
+        "--python", help="interpreter on the cluster (default: this one on this machine, else python3)"
+    )
+    submit.add_argument("--detach", action="store_true", help="print the job id and return")
+
+    jobs = commands.add_parser("jobs", help="Ray jobs on a cluster: list | status | logs | stop")
+    jobs.add_argument("action", choices=["list", "status", "logs", "stop"])
+    jobs.add_argument("job_id", nargs="?", help="the job id that `shoal submit` printed")
+    jobs.add_argument(
+        "--address", help=f"Ray dashboard URL (default: $RAY_API_SERVER_ADDRESS or {DASHBOARD})"
+    )
+    jobs.add_argument("--follow", action="store_true", help="logs: keep streaming until the job ends")
 
     validate = commands.add_parser("validate", help="check a workload without running it")
     validate.add_argument("file")
@@ -105,10 +138,15 @@ def cmd_data(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from shoal.launch import RunOptions
+    from shoal.launch.jobs import leave_job_working_dir
     from shoal.spec import load
 
+    leave_job_working_dir()
     loaded = load(args.file, args.overrides, prepare_data=True)
-    return _train(loaded, RunOptions(address=args.address, run_name=args.run_name, verbose=args.verbose))
+    options = RunOptions(
+        address=args.address, run_name=args.run_name, verbose=args.verbose, mlflow_run_id=args.mlflow_run_id
+    )
+    return _train(loaded, options)
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
@@ -138,6 +176,89 @@ def cmd_resume(args: argparse.Namespace) -> int:
     return _train(loaded, RunOptions(address=args.address, run_name=job.run_name, verbose=args.verbose))
 
 
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from shoal.launch.sweep import SweepOptions, sweep
+    from shoal.launch.sweep_view import SweepTable, summary
+    from shoal.spec import load
+
+    loaded = load(args.file, args.overrides, prepare_data=True)
+    spec = loaded.workload.sweep
+    if spec is None:
+        return _user_error(f"{args.file}: no 'sweep' section (see README, 'Sweeps')")
+    options = SweepOptions(address=args.address, name=args.name, resume=args.resume, verbose=args.verbose)
+    with SweepTable(console, list(spec.space), spec.metric, spec.mode):
+        result = sweep(loaded, options)
+    console.print(summary(result))
+    if result.best_yaml:
+        console.print(f"best configuration ({result.best_file}):", soft_wrap=True)
+        console.print(result.best_yaml, markup=False, soft_wrap=True)
+        console.print(f"train it: shoal run {result.best_file}", soft_wrap=True)
+    return 0 if result.ok else EXIT_FAILED
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from shoal.launch import jobs
+
+    done = jobs.submit(args.file, args.address, args.working_dir, args.overrides, args.run_name, args.python)
+    if done.warning:
+        errors.print(f"[yellow]warning:[/] {escape(done.warning)}", soft_wrap=True)
+    console.print(f"submitted Ray job [bold]{done.job_id}[/] (run {done.run_name})")
+    if done.mlflow_run_id:
+        console.print(f"MLflow run id: {done.mlflow_run_id} ({done.tracking_uri})", soft_wrap=True)
+    if args.detach:
+        console.print(
+            f"follow it: shoal jobs logs {done.job_id} --follow; stop it: shoal jobs stop {done.job_id}"
+        )
+        return 0
+    client = jobs.client(args.address)
+    try:
+        status = jobs.follow(client, done.job_id)
+    except KeyboardInterrupt:
+        errors.print(f"stopped following; the job goes on (shoal jobs stop {done.job_id} ends it)")
+        return EXIT_INTERRUPTED
+    console.print(f"job {done.job_id}: {status}")
+    return 0 if status == "SUCCEEDED" else EXIT_FAILED
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from shoal.launch import jobs
+
+    if args.action != "list" and not args.job_id:
+        return _user_error(f"shoal jobs {args.action} needs a JOB id (see shoal jobs list)")
+    client = jobs.client(args.address)
+    if args.action == "list":
+        table = Table(title=f"Ray jobs at {client.get_address()}")
+        for column in ("job", "status", "run", "MLflow run", "entrypoint"):
+            table.add_column(column, overflow="fold")
+        for job in sorted(client.list_jobs(), key=lambda j: j.start_time or 0):
+            meta = job.metadata or {}
+            table.add_row(
+                job.submission_id or job.job_id or "-",
+                str(job.status.value),
+                meta.get("shoal.run_name", "-"),
+                meta.get("mlflow_run_id", "-"),
+                job.entrypoint[:80],
+            )
+        console.print(table)
+    elif args.action == "status":
+        job = jobs.info(client, args.job_id)
+        console.print(f"{args.job_id}: {job.status.value}" + (f" ({job.message})" if job.message else ""))
+        for key, value in sorted((job.metadata or {}).items()):
+            console.print(f"  {key}: {value}", soft_wrap=True)
+    elif args.action == "logs":
+        jobs.info(client, args.job_id)
+        if args.follow:
+            jobs.follow(client, args.job_id)
+        else:
+            console.out(client.get_job_logs(args.job_id), end="")
+    else:
+        status = jobs.stop(client, args.job_id)
+        console.print(f"{args.job_id}: {status}")
+    return 0
+
+
 def _train(loaded: LoadedWorkload, options: RunOptions) -> int:
     from shoal.launch import run
     from shoal.launch.progress import TerminalProgress, summary_table
@@ -155,19 +276,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from shoal.data import DataError
     from shoal.launch import ClusterError
+    from shoal.launch.jobs import JobError
     from shoal.launch.storage import StorageError
+    from shoal.launch.tuning import SweepError
     from shoal.models import ModelError
     from shoal.spec import SpecError
     from shoal.tracking import TrackingError
 
-    handlers = {"run": cmd_run, "resume": cmd_resume, "validate": cmd_validate, "data": cmd_data}
+    handlers = {
+        "run": cmd_run,
+        "resume": cmd_resume,
+        "sweep": cmd_sweep,
+        "submit": cmd_submit,
+        "jobs": cmd_jobs,
+        "validate": cmd_validate,
+        "data": cmd_data,
+    }
     try:
         return handlers[args.command](args)
     except SpecError as exc:
         for issue in exc.issues:
             errors.print(f"[red]error:[/] {escape(str(issue))}", soft_wrap=True)
         return EXIT_USAGE
-    except (DataError, ClusterError, StorageError, TrackingError, ModelError) as exc:
+    except (DataError, ClusterError, StorageError, TrackingError, ModelError, SweepError, JobError) as exc:
         return _user_error(str(exc))
     except KeyboardInterrupt:
         errors.print("interrupted")

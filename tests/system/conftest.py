@@ -7,7 +7,13 @@ integration tests' shared Ray cluster is not attached to this process.
 from __future__ import annotations
 
 import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -49,3 +55,84 @@ def local_cluster() -> Iterator:
     finally:
         cluster.shutdown()  # its own processes only
         os.environ.pop("RAY_ADDRESS", None)
+
+
+@dataclass
+class RayStartCluster:
+    """A cluster made with `ray start` (head with dashboard + one worker node), token auth on."""
+
+    gcs: str
+    dashboard: str
+    env: dict[str, str]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        return probe.getsockname()[1]
+
+
+def _stop_group(process: subprocess.Popen) -> None:
+    """End one `ray start --block` and everything it started, by its own process group."""
+    for sig, wait_s in ((signal.SIGTERM, 5), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _wait_for_nodes(env: dict[str, str], gcs: str, count: int, timeout_s: float = 90) -> None:
+    script = (
+        f"import ray; ray.init(address='{gcs}', log_to_driver=False); "
+        "print(len([n for n in ray.nodes() if n['Alive']]))"
+    )
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+        if done.returncode == 0 and done.stdout.strip().splitlines()[-1:] == [str(count)]:
+            return
+        time.sleep(2)
+    raise AssertionError(f"the cluster at {gcs} did not reach {count} nodes: {done.stderr[-2000:]}")
+
+
+@pytest.fixture(scope="module")
+def ray_start_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayStartCluster]:
+    """`ray start --head` (dashboard, Jobs API) plus a second node via `ray start --address`, both
+    in process groups of their own and stopped through them (never `ray stop`)."""
+    from ray.util import get_node_ip_address
+
+    logs = tmp_path_factory.mktemp("ray-start-logs")
+    gcs_port, dashboard_port = _free_port(), _free_port()
+    gcs = f"{get_node_ip_address()}:{gcs_port}"
+    env = {**os.environ, **QUIET_ENV, "RAY_AUTH_MODE": "token", "RAY_ADDRESS": gcs}
+    ray_cli = str(Path(sys.executable).parent / "ray")
+    head_args = [
+        "--head",
+        f"--port={gcs_port}",
+        f"--dashboard-port={dashboard_port}",
+        "--dashboard-host=127.0.0.1",
+        "--include-dashboard=true",
+        "--num-cpus=4",
+    ]
+    started = []
+    try:
+        for name, args in (("head", head_args), ("node", [f"--address={gcs}", "--num-cpus=2"])):
+            started.append(
+                subprocess.Popen(
+                    [ray_cli, "start", "--block", "--disable-usage-stats", *args],
+                    env={k: v for k, v in env.items() if not (name == "head" and k == "RAY_ADDRESS")},
+                    stdout=(logs / f"{name}.log").open("w"),
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+            _wait_for_nodes(env, gcs, len(started))
+        yield RayStartCluster(gcs, f"http://127.0.0.1:{dashboard_port}", env)
+    finally:
+        for process in reversed(started):
+            _stop_group(process)

@@ -35,6 +35,7 @@ def test_defaults_fill_every_section() -> None:
         "checkpoint",
         "failure",
         "tracking",
+        "sweep",
     }
     assert resolved["checkpoint"]["async"] is False  # written back under the user's key name
     assert resolved["train"]["schedule"]["min_lr_ratio"] == 0.1

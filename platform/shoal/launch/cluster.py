@@ -81,13 +81,17 @@ def local_cpus(wanted: float) -> int:
 
 
 @contextmanager
-def ray_session(address: str | None, cpus_wanted: float, verbose: bool = False) -> Iterator[RaySession]:
-    """Use the Ray already initialised in this process, attach to `address`, or start one."""
+def ray_session(
+    address: str | None, cpus_wanted: float, verbose: bool = False, dashboard: bool = False
+) -> Iterator[RaySession]:
+    """Use the Ray already initialised in this process, attach to `address` (else $RAY_ADDRESS),
+    or start one."""
     import ray
 
     if ray.is_initialized():
         yield RaySession(ray.get_runtime_context().gcs_address, False, ray.cluster_resources().get("CPU", 0))
         return
+    address = address or os.environ.get("RAY_ADDRESS")  # set by Ray in a job's driver, as by users
     common = {
         "log_to_driver": verbose,
         "logging_level": logging.INFO if verbose else logging.WARNING,
@@ -100,7 +104,13 @@ def ray_session(address: str | None, cpus_wanted: float, verbose: bool = False) 
             raise ClusterError(f"cannot attach to Ray at '{address}': {exc}") from None
         started = False
     else:
-        ray.init(address="local", num_cpus=local_cpus(cpus_wanted), include_dashboard=False, **common)
+        pinned = _pinned_address() if dashboard else {}
+        os.environ.update(pinned)
+        try:
+            ray.init(address="local", num_cpus=local_cpus(cpus_wanted), include_dashboard=dashboard, **common)
+        except BaseException:
+            _unpin(pinned)
+            raise
         started = True
     try:
         yield RaySession(
@@ -108,3 +118,23 @@ def ray_session(address: str | None, cpus_wanted: float, verbose: bool = False) 
         )
     finally:
         ray.shutdown()
+        if not address:
+            _unpin(pinned)
+
+
+def _pinned_address() -> dict[str, str]:
+    """A GCS port chosen before a local Ray starts, and RAY_ADDRESS naming it, so that every Ray
+    process inherits the address. Ray Train's placement-group cleaner finds the cluster's State
+    API through it; without, it follows /tmp/ray/ray_current_cluster, which `ray.init` does not
+    write, to whatever cluster last wrote it, and placement groups of stopped trials leak."""
+    from ray.util import get_node_ip_address
+
+    with socket.socket() as probe_socket:
+        probe_socket.bind(("", 0))
+        port = probe_socket.getsockname()[1]
+    return {"RAY_GCS_SERVER_PORT": str(port), "RAY_ADDRESS": f"{get_node_ip_address()}:{port}"}
+
+
+def _unpin(pinned: dict[str, str]) -> None:
+    for key in pinned:
+        os.environ.pop(key, None)

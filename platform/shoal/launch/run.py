@@ -31,6 +31,10 @@ class RunOptions:
     run_name: str | None = None
     verbose: bool = False
     report_interval_s: float = REPORT_INTERVAL_S
+    tags: dict[str, str] = field(default_factory=dict)  # extra MLflow tags (a sweep's parent run...)
+    mlflow_run_id: str | None = None  # an MLflow run made beforehand (shoal submit, sweep trials)
+    init_from: str | None = None  # a checkpoint of another run to start from (PBT exploits)
+    dashboard: bool = False  # a local Ray with the dashboard (Tune needs it to free placement groups)
 
 
 @dataclass
@@ -130,6 +134,15 @@ def fit_interruptibly(trainer: Any) -> None:
         raise outcome["error"]
 
 
+def ray_job_tags() -> dict[str, str]:
+    """The Ray job this driver runs in, when `shoal submit` started it."""
+    import json
+
+    config = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    job_id = json.loads(config).get("metadata", {}).get("job_submission_id") if config else None
+    return {"shoal.ray_job_id": job_id} if job_id else {}
+
+
 def default_run_name(workload_name: str) -> str:
     return f"{workload_name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
@@ -157,6 +170,7 @@ def _worker_config(loaded: LoadedWorkload, run_dir: Path, options: RunOptions) -
         "report_interval_s": options.report_interval_s,
         "threads_per_worker": _threads_per_worker(loaded.workload.scaling),
         "audit_samples": os.environ.get("SHOAL_AUDIT_SAMPLES") == "1",
+        "init_from": options.init_from,
     }
 
 
@@ -262,9 +276,11 @@ def run(
     experiment = w.tracking.experiment or w.name
     uri = resolve_uri(w.tracking.uri)
     cpus = w.scaling.worker_range()[1] * w.scaling.cpus_per_worker
-    with ray_session(options.address, cpus, options.verbose) as session:
+    with ray_session(options.address, cpus, options.verbose, options.dashboard) as session:
         _check_resources(loaded, session)
         tags = {"shoal.workload": w.name, "shoal.ray_address": session.address, CWD_TAG: os.getcwd()}
+        tags.update(ray_job_tags())
+        tags.update(options.tags)
         if commit := git_commit():
             tags["shoal.git_commit"] = commit
         resolved = w.resolved()
@@ -277,6 +293,7 @@ def run(
             resolved_spec=resolved,
             spec_yaml=yaml.safe_dump(resolved, sort_keys=False),
             tags=tags,
+            run_id=options.mlflow_run_id,
         )
         recorder = Recorder(tracked, observer)
         result = RunResult("FAILED", run_name, str(run_dir), tracked.run_id, experiment, uri)

@@ -13,6 +13,7 @@ from shoal.data import DataError, DataPlan, plan_data
 from shoal.models import ModelError, check_args, model_class, model_task
 from shoal.spec.loader import Source, SpecIssue
 from shoal.spec.schema import Workload
+from shoal.spec.sweep import VALUE_METRICS, check_sweep
 from shoal.worker.parallel.dims import DegreeError, resolve_degrees
 from shoal.worker.parallel.pipeline import stages_per_rank
 
@@ -40,9 +41,6 @@ def check_batches(workload: Workload, source: Source) -> list[SpecIssue]:
             f"= {micro * bad[0]}; accumulation needs a whole number of micro-batches{elastic}",
         )
     ]
-
-
-VALUE_METRICS = ("train/loss", "val/loss", "val/accuracy")
 
 
 def check_checkpoint(workload: Workload, source: Source) -> list[SpecIssue]:
@@ -198,7 +196,7 @@ def run_checks(
     workload: Workload, source: Source, prepare_data: bool = False
 ) -> tuple[DataPlan | None, list[SpecIssue]]:
     issues = check_batches(workload, source) + check_storage(workload, source)
-    issues += check_checkpoint(workload, source)
+    issues += check_checkpoint(workload, source) + check_sweep(workload, source)
     task, model_issues = check_model(workload, source)
     issues += model_issues + check_parallel(workload, source, task) + check_precision(workload, source)
     plan = None

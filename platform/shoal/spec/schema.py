@@ -152,6 +152,51 @@ class TrackingSpec(Section):
     uri: str | None = None
 
 
+class SearchDomain(Section):
+    """One searched setting: exactly one of the keys below."""
+
+    choice: list[Any] | None = Field(None, min_length=1)  # sampled
+    grid: list[Any] | None = Field(None, min_length=1)  # every value, crossed with the other grids
+    uniform: tuple[float, float] | None = None
+    loguniform: tuple[PositiveFloat, PositiveFloat] | None = None
+    randint: tuple[int, int] | None = None  # both bounds included
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> SearchDomain:
+        given = [k for k in DOMAIN_KINDS if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of {', '.join(DOMAIN_KINDS)} (got {given or 'none'})")
+        bounds = getattr(self, given[0])
+        if given[0] in ("uniform", "loguniform", "randint") and bounds[0] > bounds[1]:
+            raise ValueError(f"{given[0]}: low ({bounds[0]}) must be <= high ({bounds[1]})")
+        return self
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in DOMAIN_KINDS if getattr(self, k) is not None)
+
+    @property
+    def values(self) -> list[Any]:
+        """The values a trial may get (lists) or the two bounds (ranges)."""
+        return list(getattr(self, self.kind))
+
+
+DOMAIN_KINDS = ("choice", "grid", "uniform", "loguniform", "randint")
+
+
+class SweepSpec(Section):
+    space: dict[str, SearchDomain] = Field(min_length=1)  # dotted spec path -> domain
+    metric: str = "val/loss"
+    mode: Literal["min", "max"] = "min"
+    samples: PositiveInt = 8  # trials (with grids: repetitions of the whole grid)
+    max_concurrent: PositiveInt = 2
+    scheduler: Literal["fifo", "asha", "pbt"] = "asha"
+    searcher: Literal["random", "grid", "optuna"] = "random"
+    grace_period: PositiveInt | None = None  # asha: steps before a trial may be stopped
+    reduction_factor: float = Field(2.0, gt=1)  # asha: keep 1/this many at each rung
+    perturbation_interval: PositiveInt | None = None  # pbt: steps between exploits
+
+
 class Workload(Section):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=100)
     model: ModelSpec
@@ -162,6 +207,7 @@ class Workload(Section):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     failure: FailureSpec = Field(default_factory=FailureSpec)
     tracking: TrackingSpec = Field(default_factory=TrackingSpec)
+    sweep: SweepSpec | None = None  # used by `shoal sweep`; `shoal run` trains the base values
 
     def resolved(self) -> dict[str, Any]:
         """The spec as plain data, every default filled in, keys as the user writes them."""

@@ -148,26 +148,32 @@ def open_run(
     resolved_spec: dict[str, Any],
     spec_yaml: str,
     tags: dict[str, Any],
+    run_id: str | None = None,
 ) -> TrackedRun:
     """Create the job's MLflow run or, with `resume`, re-open the one of this run name and dir.
 
     `resume` is true when the run directory holds checkpoints: a run name whose
-    checkpoints are gone starts afresh, in a new MLflow run.
+    checkpoints are gone starts afresh, in a new MLflow run. A `run_id` made
+    beforehand (by `shoal submit`, or a sweep for its trial) is used instead.
     """
     client = MlflowClient(tracking_uri=uri)
     try:
         found = client.get_experiment_by_name(experiment)
         experiment_id = found.experiment_id if found else client.create_experiment(experiment)
-        run_id = _find_run(client, experiment_id, run_name, run_dir) if resume else None
-        resumed = run_id is not None
+        if run_id is None and resume:
+            run_id = _find_run(client, experiment_id, run_name, run_dir)
+        # A run made beforehand is resumed once it holds steps (a restarted sweep trial).
+        history = client.get_metric_history(run_id, "train/loss") if run_id else []
+        resumed = run_id is not None and (resume or bool(history))
+        identity = {RUN_NAME_TAG: run_name, RUN_DIR_TAG: run_dir}
         if run_id is None:
-            identity = {RUN_NAME_TAG: run_name, RUN_DIR_TAG: run_dir}
             run_id = client.create_run(experiment_id, run_name=run_name, tags=identity).info.run_id
         else:
             client.update_run(run_id, status="RUNNING")
+            for key, value in identity.items():
+                client.set_tag(run_id, key, value)
         run = TrackedRun(client, run_id, experiment_id, resumed, uri=uri)
         if resumed:
-            history = client.get_metric_history(run_id, "train/loss")
             run.logged_until = max((m.step for m in history), default=0)
         _log_params(run, flatten(resolved_spec))
         run.set_tags({**version_tags(), **tags})

@@ -99,6 +99,8 @@ class Recorder:
             if step not in self.logged_evals:
                 self.run.log_metrics([(k, v, step, event.get("time")) for k, v in values.items()])
                 self.logged_evals.add(step)
+            if self.observer:
+                self.observer.on_event(event)
             return
         self.state.events.append(event)
         if kind == "attempt_started":
@@ -124,6 +126,8 @@ class Recorder:
 
     def _checkpoint(self, path: str, summary: dict[str, Any]) -> None:
         self.state.checkpoints.append(path)
+        if self.observer and hasattr(self.observer, "on_checkpoint"):
+            self.observer.on_checkpoint(path, summary.get("step", 0))
         self.run.set_tags(
             {"shoal.latest_checkpoint": path, "shoal.latest_checkpoint_step": summary.get("step")}
         )

@@ -44,8 +44,11 @@ class Restored:
 
 
 class Checkpointer:
-    def __init__(self, engine: Engine, rank: int, background: bool, reporter: Reporter):
+    def __init__(
+        self, engine: Engine, rank: int, background: bool, reporter: Reporter, init_from: str | None = None
+    ):
         self.engine, self.rank, self.reporter = engine, rank, reporter
+        self.init_from = init_from  # another run's checkpoint, for a run that has none of its own
         self.group = dist.new_group(backend="gloo") if background and dist.is_initialized() else None
         self.background = background
         self.pending: PendingSave | None = None
@@ -98,10 +101,12 @@ class Checkpointer:
 
     # -- restoring --------------------------------------------------------------------
     def restore(self) -> Restored | None:
-        """Load the newest intact checkpoint of this run, or None for a fresh start."""
+        """Load the newest intact checkpoint of this run (else `init_from`), or None for a fresh start."""
         import ray.train
 
         latest = ray.train.get_checkpoint()
+        if latest is None and self.init_from:
+            latest = ray.train.Checkpoint(self.init_from)
         if latest is None:
             return None
         for candidate in [latest, *older_checkpoints(latest)]:

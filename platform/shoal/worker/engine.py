@@ -180,6 +180,21 @@ class Engine:
             loss, correct = forward_loss(self.parts[0], batch, self.task, self.device)
         return loss.item() * samples, float(correct), samples
 
+    def apply_optimizer_settings(self, optimizer: dict[str, Any]) -> None:
+        """Replace restored hyperparameters with the spec's (a checkpoint from a run with other
+        settings, as in population-based training); the schedule keeps its step."""
+        for opt, scheduler in zip(self.optimizers, self.schedulers, strict=True):
+            scheduler.base_lrs = [optimizer["lr"]] * len(opt.param_groups)
+            for group, factor in zip(opt.param_groups, scheduler.lr_lambdas, strict=True):
+                group["initial_lr"] = optimizer["lr"]
+                group["lr"] = optimizer["lr"] * factor(scheduler.last_epoch)
+                group["weight_decay"] = optimizer["weight_decay"]
+                if "momentum" in group:
+                    group["momentum"] = optimizer["momentum"]
+                if "betas" in group:
+                    group["betas"] = tuple(optimizer["betas"])
+            scheduler._last_lr = [group["lr"] for group in opt.param_groups]
+
     @property
     def lr(self) -> float:
         return self.schedulers[0].get_last_lr()[0]

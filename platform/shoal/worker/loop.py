@@ -91,7 +91,9 @@ class Trainer:
         self.unsaved: dict[str, list] = {"steps": [], "evals": []}
         self.reporter = Reporter(StepStats(self.world, config["report_interval_s"], self.rank == 0))
         background = self.spec["checkpoint"]["async"]
-        self.checkpointer = Checkpointer(self.engine, self.rank, background, self.reporter)
+        self.checkpointer = Checkpointer(
+            self.engine, self.rank, background, self.reporter, config.get("init_from")
+        )
         self.watchdog = HangWatchdog(self.failure["hang_timeout_s"], config["run_dir"], self.rank)
         self.audit = SampleAudit(config["run_dir"], self.rank) if config.get("audit_samples") else None
 
@@ -114,6 +116,8 @@ class Trainer:
             self.reporter.events += recent["evals"]
             self.unsaved = {"steps": list(recent["steps"]), "evals": list(recent["evals"])}
             restored_from = self.saved_step = self.position.step
+            if restored.source == self.config.get("init_from"):  # PBT: this trial's own settings
+                self.engine.apply_optimizer_settings(self.train_spec["optimizer"])
         if restored is None or not restored.rng_restored:  # a rank new to the run gets its own seed
             seed_everything(self.train_spec["seed"] * 7919 + self.rank + 1000 * self.position.step)
         if restored is not None and old_world != self.world:
