@@ -84,3 +84,32 @@ def test_data_prepare_digits(tmp_path: Path) -> None:
     result = shoal("data", "prepare", "digits", str(tmp_path / "digits"), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "digits" / "manifest.json").exists()
+
+
+def test_sweep_needs_a_sweep_section(tmp_path: Path) -> None:
+    result = shoal("sweep", str(WORKLOADS / "quickstart.yaml"), cwd=tmp_path)
+    assert_user_error(result, "quickstart.yaml: no 'sweep' section")
+
+
+def test_sweep_resume_without_a_sweep(tmp_path: Path) -> None:
+    data = quickstart()
+    data["sweep"] = {"space": {"train.seed": {"choice": [0, 1]}}}
+    result = shoal("sweep", str(write_workload(tmp_path, data)), "--resume", cwd=tmp_path)
+    assert_user_error(result, "--resume: no sweep of 'quickstart' to resume in")
+
+
+def test_submit_needs_the_workload_inside_the_working_dir(tmp_path: Path) -> None:
+    result = shoal(
+        "submit", str(WORKLOADS / "quickstart.yaml"), "--address", "http://127.0.0.1:1", cwd=tmp_path
+    )
+    assert_user_error(result, "is not inside --working-dir", "only that directory travels to the cluster")
+
+
+def test_submit_to_no_cluster(tmp_path: Path) -> None:
+    write_workload(tmp_path, quickstart())
+    result = shoal("submit", "w.yaml", "--address", "http://127.0.0.1:1", cwd=tmp_path)
+    assert_user_error(result, "no Ray dashboard at --address http://127.0.0.1:1")
+
+
+def test_jobs_need_a_job_id(tmp_path: Path) -> None:
+    assert_user_error(shoal("jobs", "stop", cwd=tmp_path), "shoal jobs stop needs a JOB id")

@@ -25,6 +25,7 @@ from shoal.tracking.sweep_runs import close_trial, finish_parent, open_parent
 
 SWEEPS_DIR = "sweeps"
 TRIAL_DRIVER_CPUS = 0.01
+PLACEMENT_GROUP_WAIT_S = 30
 
 
 @dataclass
@@ -58,6 +59,7 @@ class SweepResult:
     best: TrialOutcome | None = None
     best_file: str | None = None
     best_yaml: str | None = None
+    placement_groups_left: int = 0  # created during the sweep and still reserved at its end
 
     @property
     def ok(self) -> bool:
@@ -157,7 +159,9 @@ def sweep(loaded: LoadedWorkload, options: SweepOptions) -> SweepResult:
     status = "FAILED"
     try:
         with ray_session(options.address, cpus, options.verbose, dashboard=True):
+            before = _placement_groups()
             grid = _tuner(loaded, name, root, context, options.resume).fit()
+            result.placement_groups_left = _reserved_since(before)
         _collect(result, grid, w.train.max_steps)
         _write_best(result, loaded, root / name)
         status = "FINISHED" if result.best else "FAILED"
@@ -166,13 +170,29 @@ def sweep(loaded: LoadedWorkload, options: SweepOptions) -> SweepResult:
         raise
     finally:
         _close_trials(result)
-        best = result.best and {
-            "trial": result.best.trial_id,
-            result.metric: result.best.metric,
-            **result.best.params,
-        }
-        finish_parent(uri, parent, status, best or None, result.best_yaml)
+        tags = {"shoal.placement_groups_left": result.placement_groups_left}
+        if result.best:
+            best = {"trial": result.best.trial_id, result.metric: result.best.metric, **result.best.params}
+            tags.update({f"shoal.best.{key}": value for key, value in best.items()})
+        finish_parent(uri, parent, status, tags, result.best_yaml)
     return result
+
+
+def _placement_groups() -> dict[str, str]:
+    from ray.util import placement_group_table
+
+    return {pg_id: entry["state"] for pg_id, entry in placement_group_table().items()}
+
+
+def _reserved_since(before: dict[str, str], wait_s: float = PLACEMENT_GROUP_WAIT_S) -> int:
+    """Placement groups made during the sweep that still hold resources. Stopped trials' groups
+    are removed by Ray Train's cleaner a moment after their trial ends, hence the wait."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        held = [i for i, state in _placement_groups().items() if i not in before and state != "REMOVED"]
+        if not held or time.monotonic() > deadline:
+            return len(held)
+        time.sleep(1)
 
 
 def _collect(result: SweepResult, grid: Any, max_steps: int | None) -> None:

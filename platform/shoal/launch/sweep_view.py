@@ -118,6 +118,11 @@ def summary(result: SweepResult) -> Table:
         for path, value in result.best.params.items():
             table.add_row(f"  {path}", _fmt(value))
         table.add_row("best workload", result.best_file or "-")
+    if result.placement_groups_left:
+        held = (
+            f"[yellow]{result.placement_groups_left} placement group(s) made by the sweep still reserved[/]"
+        )
+        table.add_row("resources", held)
     table.add_row("sweep directory", result.directory)
     table.add_row("MLflow experiment", result.experiment)
     table.add_row("MLflow parent run", result.parent_run_id)

@@ -78,13 +78,10 @@ def close_trial(uri: str, run_id: str, early_stopped: bool) -> None:
         client.set_terminated(run_id, status="KILLED")
 
 
-def finish_parent(
-    uri: str, parent_id: str, status: str, best: dict[str, Any] | None, best_yaml: str | None
-) -> None:
+def finish_parent(uri: str, parent_id: str, status: str, tags: dict[str, Any], best_yaml: str | None) -> None:
     client = MlflowClient(tracking_uri=uri)
-    if best:
-        for key, value in best.items():
-            client.set_tag(parent_id, f"shoal.best.{key}", value)
+    for key, value in tags.items():
+        client.set_tag(parent_id, key, value)
     if best_yaml:
         client.log_text(parent_id, best_yaml, "best.yaml")
     client.set_terminated(parent_id, status=status)

@@ -1,0 +1,94 @@
+"""Ray jobs on a real two-node cluster made with `ray start` (token auth on).
+
+`shoal submit` uploads the working directory and runs `shoal run` as a Ray job that is
+followed to SUCCEEDED; a second job is stopped mid-run; a client without the token
+is told how to provide it.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from mlflow.tracking import MlflowClient
+
+from tests.conftest import quickstart, write_workload
+from tests.integration.helpers import loss_steps, shoal_cli, wait_for
+
+
+def finish(process: subprocess.Popen, timeout_s: float = 400) -> tuple[int, str]:
+    out, err = process.communicate(timeout=timeout_s)
+    return process.returncode, out + err
+
+
+def mlflow(workdir: Path) -> MlflowClient:
+    return MlflowClient(tracking_uri=f"sqlite:///{workdir / 'mlflow.db'}")
+
+
+def test_submit_follows_to_success_and_stop_kills_the_run(workdir: Path, ray_start_cluster) -> None:
+    cluster = ray_start_cluster
+    write_workload(workdir, quickstart(), "quickstart.yaml")
+    common = [
+        "--address",
+        cluster.dashboard,
+        "--set",
+        f"checkpoint.storage={workdir / 'shoal_runs'}",
+        "--set",
+        "train.eval_every=10",
+        "--set",
+        "checkpoint.every_steps=10",
+    ]
+    code, output = finish(
+        shoal_cli(
+            ["submit", "quickstart.yaml", *common, "--set", "train.max_steps=20"], workdir, **cluster.env
+        )
+    )
+    assert code == 0, output
+    job_id = re.search(r"submitted Ray job (\S+)", output).group(1)
+    run_id = re.search(r"MLflow run id: (\w+)", output).group(1)
+    assert f"job {job_id}: SUCCEEDED" in output
+    run = mlflow(workdir).get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["shoal.ray_job_id"] == job_id
+    assert loss_steps(mlflow(workdir), run_id) == list(range(1, 21))
+    code, status = finish(
+        shoal_cli(["jobs", "status", job_id, "--address", cluster.dashboard], workdir, **cluster.env)
+    )
+    assert code == 0 and f"{job_id}: SUCCEEDED" in status and f"mlflow_run_id: {run_id}" in status, status
+
+    long_run = ["--set", "train.max_steps=5000", "--detach"]
+    code, output = finish(
+        shoal_cli(["submit", "quickstart.yaml", *common, *long_run], workdir, **cluster.env)
+    )
+    assert code == 0, output
+    second_job = re.search(r"submitted Ray job (\S+)", output).group(1)
+    second_run = re.search(r"MLflow run id: (\w+)", output).group(1)
+    wait_for(lambda: len(loss_steps(mlflow(workdir), second_run)) >= 10, 180, "the second job to train")
+    code, stopped = finish(
+        shoal_cli(["jobs", "stop", second_job, "--address", cluster.dashboard], workdir, **cluster.env)
+    )
+    assert code == 0 and f"{second_job}: STOPPED" in stopped, stopped
+    wait_for(lambda: mlflow(workdir).get_run(second_run).info.status == "KILLED", 60, "the run to be KILLED")
+    code, listing = finish(
+        shoal_cli(["jobs", "list", "--address", cluster.dashboard], workdir, **cluster.env)
+    )
+    assert code == 0 and job_id in listing and second_job in listing and "STOPPED" in listing, listing
+
+
+def test_a_missing_token_is_explained(workdir: Path, ray_start_cluster) -> None:
+    env = {k: v for k, v in ray_start_cluster.env.items() if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
+    env["HOME"] = str(workdir)  # no ~/.ray/auth_token
+    process = subprocess.Popen(
+        [sys.executable, "-m", "shoal.cli", "jobs", "list", "--address", ray_start_cluster.dashboard],
+        cwd=workdir,
+        env={**env, "COLUMNS": "200"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    code, output = finish(process, 60)
+    assert code == 2, output
+    assert "requires an authentication token (HTTP 401)" in output and "RAY_AUTH_TOKEN" in output
+    assert "Traceback" not in output
