@@ -111,11 +111,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
         f"[green]ok[/] {args.file}: '{w.name}', {w.model.family or w.model.target}, "
         f"{workers} worker(s), {w.parallel.strategy}, {w.train.precision}"
     )
-    if w.sweep:
-        s = w.sweep
+    if sweep := w.sweep:
         console.print(
-            f"   sweep: {', '.join(s.space)}; {s.samples} samples, {s.scheduler}, {s.searcher} search, "
-            f"{s.mode} {s.metric}"
+            f"   sweep: {', '.join(sweep.space)}; {sweep.samples} samples, {sweep.scheduler}, "
+            f"{sweep.searcher} search, {sweep.mode} {sweep.metric}"
         )
     return 0
 

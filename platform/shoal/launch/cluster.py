@@ -92,6 +92,7 @@ def ray_session(
         yield RaySession(ray.get_runtime_context().gcs_address, False, ray.cluster_resources().get("CPU", 0))
         return
     address = address or os.environ.get("RAY_ADDRESS")  # set by Ray in a job's driver, as by users
+    pinned: dict[str, str] = {}
     common = {
         "log_to_driver": verbose,
         "logging_level": logging.INFO if verbose else logging.WARNING,
@@ -118,8 +119,7 @@ def ray_session(
         )
     finally:
         ray.shutdown()
-        if not address:
-            _unpin(pinned)
+        _unpin(pinned)
 
 
 def _pinned_address() -> dict[str, str]:

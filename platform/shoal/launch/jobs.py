@@ -140,15 +140,15 @@ def submit(
     w = loaded.workload
     run_name = run_name or default_run_name(w.name)
     uri, experiment = resolve_uri(w.tracking.uri), w.tracking.experiment or w.name
-    warning = None
-    if uri.startswith("sqlite:") and not _is_this_machine(jobs.get_address()):
+    warning, local_cluster = None, _is_this_machine(jobs.get_address())
+    if uri.startswith("sqlite:") and not local_cluster:
         warning = f"MLflow store {uri} is a file on this machine; the cluster records into its own copy"
     try:
         run_id = _precreate_run(uri, experiment, run_name, {"shoal.workload": w.name})
     except Exception as exc:  # the store may be reachable from the cluster only
         run_id = None
         warning = f"could not create the MLflow run from here ({exc}); the job creates it on the cluster"
-    command = [python or (sys.executable if _is_this_machine(jobs.get_address()) else "python3")]
+    command = [python or (sys.executable if local_cluster else "python3")]
     command += ["-m", "shoal.cli", "run", str(spec_path.relative_to(root)), "--run-name", run_name]
     for item in [*overrides, f"tracking.uri={uri}"]:
         command += ["--set", item]
@@ -195,7 +195,7 @@ def follow(jobs: Any, job_id: str, write: Any = sys.stdout.write) -> str:
 def stop(jobs: Any, job_id: str, wait_s: float = STOP_WAIT_S + 30) -> str:
     import time
 
-    _known(jobs, job_id)
+    info(jobs, job_id)
     jobs.stop_job(job_id)
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
@@ -206,12 +206,9 @@ def stop(jobs: Any, job_id: str, wait_s: float = STOP_WAIT_S + 30) -> str:
     return str(jobs.get_job_status(job_id).value)
 
 
-def _known(jobs: Any, job_id: str) -> Any:
+def info(jobs: Any, job_id: str) -> Any:
+    """The job's details; a job id the cluster does not know is a user error."""
     try:
         return jobs.get_job_info(job_id)
     except RuntimeError as exc:
         raise JobError(f"no job '{job_id}' at {jobs.get_address()} ({str(exc).splitlines()[0]})") from None
-
-
-def info(jobs: Any, job_id: str) -> Any:
-    return _known(jobs, job_id)

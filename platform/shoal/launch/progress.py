@@ -59,6 +59,9 @@ class TerminalProgress:
             speed=speed,
         )
 
+    def on_checkpoint(self, path: str, step: int) -> None:
+        pass  # the summary at the end names the latest checkpoint
+
     def on_event(self, event: dict[str, Any]) -> None:
         kind = event["kind"]
         if kind == "attempt_started":

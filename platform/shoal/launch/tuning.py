@@ -145,9 +145,10 @@ def run_trial(config: dict[str, Any], *, context: dict[str, Any]) -> None:
         init_from = donor["checkpoint"]
     elif donor:
         run_name = donor["run_name"]
-    spec_file = Path(tempfile.mkdtemp(prefix="shoal-trial-")) / f"{run_name}.yaml"
-    spec_file.write_text(json.dumps(with_values(context["base"], values)))
-    loaded = load(spec_file, prepare_data=True)
+    with tempfile.TemporaryDirectory(prefix="shoal-trial-") as tmp:
+        spec_file = Path(tmp) / f"{run_name}.yaml"
+        spec_file.write_text(json.dumps(with_values(context["base"], values)))
+        loaded = load(spec_file, prepare_data=True)
     run_id = trial_run(context["uri"], context["experiment"], context["parent"], trial_id, run_name)
     tags = {"shoal.sweep": context["sweep"], TRIAL_TAG: trial_id, "mlflow.parentRunId": context["parent"]}
     options = RunOptions(run_name=run_name, tags=tags, mlflow_run_id=run_id, init_from=init_from)

@@ -17,6 +17,7 @@ from shoal.tracking.mlflow_run import TrackedRun
 class Observer(Protocol):
     def on_progress(self, step: int, total: int, metrics: dict[str, float]) -> None: ...
     def on_event(self, event: dict[str, Any]) -> None: ...
+    def on_checkpoint(self, path: str, step: int) -> None: ...
 
 
 @dataclass
@@ -126,7 +127,7 @@ class Recorder:
 
     def _checkpoint(self, path: str, summary: dict[str, Any]) -> None:
         self.state.checkpoints.append(path)
-        if self.observer and hasattr(self.observer, "on_checkpoint"):
+        if self.observer:
             self.observer.on_checkpoint(path, summary.get("step", 0))
         self.run.set_tags(
             {"shoal.latest_checkpoint": path, "shoal.latest_checkpoint_step": summary.get("step")}

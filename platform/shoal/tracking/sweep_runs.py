@@ -63,12 +63,6 @@ def trial_run(uri: str, experiment: str, parent_id: str, trial_id: str, run_name
     return client.create_run(experiment_id, run_name=run_name, tags=tags).info.run_id
 
 
-def children(uri: str, experiment: str, parent_id: str) -> list[Any]:
-    client = MlflowClient(tracking_uri=uri)
-    experiment_id = _experiment_id(client, experiment)
-    return client.search_runs([experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent_id}'")
-
-
 def close_trial(uri: str, run_id: str, early_stopped: bool) -> None:
     """A trial the scheduler stopped (or whose process died with a killed sweep) ends KILLED."""
     client = MlflowClient(tracking_uri=uri)
