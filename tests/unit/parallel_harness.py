@@ -111,7 +111,7 @@ def run_rank(rank: int, world: int, port: int, spec: dict[str, Any], out_dir: st
         accumulation=accumulation,
         compile_cache=str(Path(out_dir) / "compile_cache"),
     )
-    stats = StepStats(world, interval_s=1e9, is_rank0=rank == 0)
+    stats = StepStats(world, interval_s=1e9, rank=rank)
     slot, slots, member, members = _slot_of(engine, rank)
     losses = []
     io = spec.get("checkpoint_io", {})

@@ -35,7 +35,13 @@ def test_defaults_fill_every_section() -> None:
         "checkpoint",
         "failure",
         "tracking",
+        "monitor",
         "sweep",
+    }
+    assert resolved["monitor"] == {
+        "stragglers": {"factor": 1.5, "steps": 5, "min_gap_s": 0.02},
+        "profile": None,
+        "tensorboard": False,
     }
     assert resolved["checkpoint"]["async"] is False  # written back under the user's key name
     assert resolved["train"]["schedule"]["min_lr_ratio"] == 0.1

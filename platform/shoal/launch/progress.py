@@ -79,6 +79,19 @@ class TerminalProgress:
             )
         elif kind == "fatal":
             self.console.print(f"[red]fatal[/] {event['reason']}")
+        elif kind == "straggler":
+            self.console.print(
+                f"[yellow]straggler[/] worker rank {event['rank']} took {event['busy_s']:.3g} s of its own "
+                f"per step vs the others' median {event['median_s']:.3g} s for {event['steps']} steps "
+                f"(to step {event['step']})"
+            )
+        elif kind == "straggler_recovered":
+            self.console.print(f"[green]recovered[/] worker rank {event['rank']} (step {event['step']})")
+        elif kind == "profile":
+            self.console.print(
+                f"[cyan]profile[/] rank {event['rank']} steps {event['first_step']}-{event['last_step']}: "
+                f"MLflow artifact profiles/{event['name']}"
+            )
 
 
 def browse_command(uri: str) -> str:
@@ -98,6 +111,10 @@ def summary_table(result: RunResult) -> Table:
     if result.resumed_from is not None:
         table.add_row("resumed from step", str(result.resumed_from))
     table.add_row("restarts", str(result.restarts))
+    if result.unsent_writes:
+        table.add_row(
+            "[red]MLflow[/]", f"{result.unsent_writes} writes could not be sent (store unreachable)"
+        )
     if result.reason:
         table.add_row("reason", result.reason)
     table.add_row("checkpoint", result.checkpoint or "-")

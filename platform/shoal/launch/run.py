@@ -52,6 +52,7 @@ class RunResult:
     restarts: int = 0
     resumed_from: int | None = None
     reason: str | None = None
+    unsent_writes: int = 0  # MLflow writes lost to an unreachable tracking store
 
     @property
     def ok(self) -> bool:
@@ -74,6 +75,7 @@ class Drainer(threading.Thread):
             try:
                 message = self.queue.get(block=True, timeout=0.5)
             except Empty:
+                self.recorder.run.flush()  # retries buffered writes while MLflow is away
                 continue
             except Exception:  # the queue actor went away with the cluster
                 log.exception("lost the report queue")
@@ -295,7 +297,7 @@ def run(
             tags=tags,
             run_id=options.mlflow_run_id,
         )
-        recorder = Recorder(tracked, observer)
+        recorder = Recorder(tracked, observer, run_dir, tensorboard=w.monitor.tensorboard)
         result = RunResult("FAILED", run_name, str(run_dir), tracked.run_id, experiment, uri)
         queue = Queue(actor_options={"num_cpus": 0})
         best = w.checkpoint.keep_best
@@ -322,14 +324,22 @@ def run(
             if drainer.is_alive():
                 drainer.finish()
             _fill_result(result, recorder)
-            recorder.finish(result.status)
+            result.unsent_writes = recorder.finish(result.status)
     return result
 
 
 def _fill_result(result: RunResult, recorder: Recorder) -> None:
     state = recorder.state
     result.step, result.total_steps, result.restarts = state.step, state.total_steps, state.restarts
-    result.metrics = {**{k: v for k, v in state.latest.items() if k == "train/loss"}, **state.evals}
+    shown = (
+        "train/loss",
+        "train/samples_per_s",
+        "train/tokens_per_s",
+        "perf/tflops",
+        "perf/mfu",
+        "memory/peak_mb",
+    )
+    result.metrics = {**{k: v for k, v in state.latest.items() if k in shown}, **state.evals}
     result.checkpoint = state.checkpoints[-1] if state.checkpoints else None
     starts = [e for e in state.events[recorder.earlier_events :] if e["kind"] == "attempt_started"]
     result.resumed_from = starts[0].get("restored_step") if starts else None

@@ -152,6 +152,23 @@ class TrackingSpec(Section):
     uri: str | None = None
 
 
+class StragglerSpec(Section):
+    factor: float = Field(1.5, gt=1)  # busier than the other workers' median by this factor...
+    steps: PositiveInt = 5  # ...for this many steps in a row
+    min_gap_s: float = Field(0.02, ge=0)  # ...and by at least this many seconds
+
+
+class ProfileSpec(Section):
+    start_step: PositiveInt  # the first profiled optimizer step
+    steps: PositiveInt = 3
+
+
+class MonitorSpec(Section):
+    stragglers: StragglerSpec = Field(default_factory=StragglerSpec)
+    profile: ProfileSpec | None = None  # a torch.profiler trace of these steps, per rank
+    tensorboard: bool = False  # also write TensorBoard event files (and traces) under the run dir
+
+
 class SearchDomain(Section):
     """One searched setting: exactly one of the keys below."""
 
@@ -207,6 +224,7 @@ class Workload(Section):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     failure: FailureSpec = Field(default_factory=FailureSpec)
     tracking: TrackingSpec = Field(default_factory=TrackingSpec)
+    monitor: MonitorSpec = Field(default_factory=MonitorSpec)
     sweep: SweepSpec | None = None  # used by `shoal sweep`; `shoal run` trains the base values
 
     def resolved(self) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from shoal.spec.loader import Source, SpecIssue, _describe
 from shoal.spec.schema import SweepSpec, Workload
 
 VALUE_METRICS = ("train/loss", "val/loss", "val/accuracy")
-NOT_SEARCHABLE = ("name", "sweep", "tracking", "checkpoint.storage", "checkpoint.endpoint")
+NOT_SEARCHABLE = ("name", "sweep", "tracking", "monitor", "checkpoint.storage", "checkpoint.endpoint")
 FREE_FORM = ("model.args",)  # a model's own arguments: any key the model accepts
 
 

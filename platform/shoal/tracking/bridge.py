@@ -30,6 +30,7 @@ class ForwardingCallback(UserCallback):
             "steps": lead.get("shoal_steps", []),
             "events": lead.get("shoal_events", []),
             "checkpoint": _checkpoint_path(checkpoint),
+            "profiles": [trace for rank in metrics for trace in rank.get("shoal_profiles", [])],
         }
         self.queue.put(message)
 

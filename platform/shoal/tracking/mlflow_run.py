@@ -8,11 +8,14 @@ continues logging there.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 import subprocess
 import tempfile
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +28,15 @@ RUN_NAME_TAG = "shoal.run_name"
 RUN_DIR_TAG = "shoal.run_dir"
 CWD_TAG = "shoal.cwd"
 PARAM_LIMIT = 6000
+RETRY_EVERY_S = 5.0  # while the store is unreachable, how often buffered writes are retried
+# MLflow's HTTP client retries 7 times with exponential backoff (minutes per call) by default;
+# shoal buffers and retries itself, so each call may fail fast. The user's settings win.
+FAST_FAIL_ENV = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "0.5",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "30",
+}
+log = logging.getLogger("shoal")
 
 
 class TrackingError(RuntimeError):
@@ -91,19 +103,71 @@ class TrackedRun:
     logged_until: int = 0  # highest step already logged for train/loss
     uri: str = ""
     params_changed: list[str] = field(default_factory=list)
+    # Writes the store has not taken yet (it is down or unreachable), sent in order later.
+    pending: deque[Callable[[], None]] = field(default_factory=deque)
+    retry_at: float = 0.0
+    unreachable_since: float | None = None
+    buffered_total: int = 0  # writes that had to wait for the store, over the whole run
+
+    def _write(self, action: Callable[[], None]) -> None:
+        self.pending.append(action)
+        if len(self.pending) > 1:
+            self.buffered_total += 1
+        self.flush()
+
+    def flush(self, force: bool = False) -> bool:
+        """Send buffered writes in order; True when none are left. While the store is
+        unreachable, writes stay buffered and are retried every RETRY_EVERY_S."""
+        if not force and self.pending and time.monotonic() < self.retry_at:
+            return False
+        while self.pending:
+            try:
+                self.pending[0]()
+            except Exception as exc:
+                if not is_unreachable(exc):
+                    log.error("MLflow refused a write, dropped: %s", exc)
+                    self.pending.popleft()
+                    continue
+                if self.unreachable_since is None:
+                    self.unreachable_since = time.time()
+                    log.warning("MLflow at %s is unreachable; buffering: %s", self.uri, exc)
+                self.retry_at = time.monotonic() + RETRY_EVERY_S
+                return False
+            self.pending.popleft()
+        if self.unreachable_since is not None:
+            log.warning("MLflow at %s is back; buffered writes sent", self.uri)
+            self.unreachable_since = None
+        return True
+
+    def flush_within(self, seconds: float) -> bool:
+        """Keep retrying buffered writes for up to `seconds` (at the end of a run)."""
+        deadline = time.monotonic() + seconds
+        while not self.flush(force=True) and time.monotonic() < deadline:
+            time.sleep(min(RETRY_EVERY_S, max(0.0, deadline - time.monotonic())))
+        return not self.pending
 
     def log_metrics(self, rows: list[tuple[str, float, int, float | None]]) -> None:
         """Rows of (key, value, step, unix time it was measured, or None for now)."""
         now = time.time()
         metrics = [Metric(key, float(value), int(1000 * (at or now)), step) for key, value, step, at in rows]
         for start in range(0, len(metrics), 1000):
-            self.client.log_batch(self.run_id, metrics=metrics[start : start + 1000])
+            chunk = metrics[start : start + 1000]
+            self._write(lambda chunk=chunk: self.client.log_batch(self.run_id, metrics=chunk))
 
     def set_tags(self, tags: dict[str, Any]) -> None:
-        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+        batch = [RunTag(k, str(v)) for k, v in tags.items()]
+        self._write(lambda: self.client.log_batch(self.run_id, tags=batch))
 
     def log_json(self, data: Any, name: str) -> None:
-        self.client.log_text(self.run_id, json.dumps(data, indent=2, default=str), name)
+        text = json.dumps(data, indent=2, default=str)
+        self._write(lambda: self.client.log_text(self.run_id, text, name))
+
+    def log_artifact(self, local_path: str, artifact_path: str | None = None) -> None:
+        """A file (or, for a directory, its contents) written before this call, kept until sent."""
+        if Path(local_path).is_dir():
+            self._write(lambda: self.client.log_artifacts(self.run_id, local_path, artifact_path))
+        else:
+            self._write(lambda: self.client.log_artifact(self.run_id, local_path, artifact_path))
 
     def read_json(self, name: str) -> Any:
         """An artifact written by `log_json`, or None when there is none."""
@@ -114,7 +178,21 @@ class TrackedRun:
             return None
 
     def finish(self, status: str) -> None:
-        self.client.set_terminated(self.run_id, status)
+        self._write(lambda: self.client.set_terminated(self.run_id, status))
+
+
+def is_unreachable(exc: BaseException) -> bool:
+    """Whether a failed MLflow call means the store cannot be reached (worth retrying),
+    rather than that it refused the request."""
+    import requests
+
+    if isinstance(exc, (requests.exceptions.ConnectionError, requests.exceptions.Timeout, ConnectionError)):
+        return True
+    if isinstance(exc, MlflowException):
+        status = exc.get_http_status_code()
+        text = str(exc)
+        return status >= 500 or status == 429 or "failed with exception" in text or "Max retries" in text
+    return isinstance(exc, OSError)
 
 
 def _find_run(client: MlflowClient, experiment_id: str, run_name: str, run_dir: str) -> str | None:
@@ -156,6 +234,8 @@ def open_run(
     checkpoints are gone starts afresh, in a new MLflow run. A `run_id` made
     beforehand (by `shoal submit`, or a sweep for its trial) is used instead.
     """
+    for key, value in FAST_FAIL_ENV.items():
+        os.environ.setdefault(key, value)
     client = MlflowClient(tracking_uri=uri)
     try:
         found = client.get_experiment_by_name(experiment)

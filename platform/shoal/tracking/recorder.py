@@ -7,11 +7,18 @@ workers but not logged again.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
+from shoal.plan.catalog import gpu_for_device
+from shoal.tracking.artifacts import PLOTTED, TensorBoard, plot_run, save_trace
 from shoal.tracking.mlflow_run import TrackedRun
+
+FLUSH_AT_END_S = 300.0  # how long the end of a run waits for an unreachable MLflow
+log = logging.getLogger("shoal")
 
 
 class Observer(Protocol):
@@ -36,9 +43,18 @@ class RunState:
 
 
 class Recorder:
-    def __init__(self, run: TrackedRun, observer: Observer | None = None):
-        self.run, self.observer = run, observer
+    def __init__(
+        self,
+        run: TrackedRun,
+        observer: Observer | None = None,
+        run_dir: Path | None = None,
+        tensorboard: bool = False,
+    ):
+        self.run, self.observer, self.run_dir = run, observer, run_dir
         self.state = RunState()
+        self.series: dict[str, list[tuple[int, float]]] = {key: [] for key in PLOTTED}
+        self.peak_flops: float | None = None  # of all the job's GPUs, when the catalog knows them
+        self.tensorboard = TensorBoard(run_dir / "tensorboard") if tensorboard and run_dir else None
         self.logged_until = run.logged_until
         self.logged_evals: set[int] = set()
         self.earlier_events = 0  # events recorded by earlier drivers of a resumed job
@@ -67,6 +83,8 @@ class Recorder:
         for event in message["events"]:
             self._event(event)
         self._log_steps(message["steps"])
+        for trace in message.get("profiles", []):
+            self._trace(trace)
         if message["checkpoint"]:
             self._checkpoint(message["checkpoint"], summary)
         if summary.get("fatal"):
@@ -83,13 +101,24 @@ class Recorder:
         for record in steps:
             step, ended = int(record["step"]), record.get("time")
             values = {k: v for k, v in record.items() if k not in ("step", "time")}
+            if self.peak_flops and "perf/tflops" in values:
+                values["perf/mfu"] = values["perf/tflops"] * 1e12 / self.peak_flops
             self.state.latest = values
             if step <= self.logged_until:
                 continue
             rows += [(key, value, step, ended) for key, value in values.items()]
             self.logged_until = step
-        if rows:
-            self.run.log_metrics(rows)
+        self._log_rows(rows)
+
+    def _log_rows(self, rows: list[tuple[str, float, int, float | None]]) -> None:
+        if not rows:
+            return
+        self.run.log_metrics(rows)
+        for key, value, step, _ in rows:
+            if key in self.series:
+                self.series[key].append((step, value))
+        if self.tensorboard:
+            self.tensorboard.scalars(rows)
 
     def _event(self, event: dict[str, Any]) -> None:
         kind = event["kind"]
@@ -98,7 +127,7 @@ class Recorder:
             values = {k: v for k, v in event.items() if k.startswith("val/")}
             self.state.evals = values
             if step not in self.logged_evals:
-                self.run.log_metrics([(k, v, step, event.get("time")) for k, v in values.items()])
+                self._log_rows([(k, v, step, event.get("time")) for k, v in values.items()])
                 self.logged_evals.add(step)
             if self.observer:
                 self.observer.on_event(event)
@@ -111,6 +140,9 @@ class Recorder:
             self.observer.on_event(event)
 
     def _attempt(self, event: dict[str, Any]) -> None:
+        gpu = gpu_for_device(event.get("device_name") or "")
+        precision = (event.get("parallel") or {}).get("precision", "fp32")
+        self.peak_flops = gpu.peak_flops(precision) * event["world_size"] if gpu else None
         self.state.attempts += 1
         if self.state.attempts > 1:
             self.state.restarts += 1
@@ -120,6 +152,7 @@ class Recorder:
             "shoal.world_size": event["world_size"],
             "shoal.parameters": event.get("parameters"),
             "shoal.device": event.get("device"),
+            "shoal.device_name": event.get("device_name"),
         }
         self.run.set_tags(tags)
         restored = event.get("restored_step")
@@ -133,6 +166,50 @@ class Recorder:
             {"shoal.latest_checkpoint": path, "shoal.latest_checkpoint_step": summary.get("step")}
         )
 
-    def finish(self, status: str) -> None:
-        self.run.set_tags({"shoal.ended": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    def _trace(self, trace: dict[str, Any]) -> None:
+        """A worker's profiler trace -> MLflow artifacts `profiles/` (and TensorBoard)."""
+        if self.run_dir is None:
+            return
+        path = save_trace(trace, self.run_dir / "profiles")
+        if path is None:
+            log.warning("rank %s's trace stayed on its node at %s", trace["rank"], trace.get("path"))
+            return
+        self.run.log_artifact(str(path), "profiles")
+        if self.tensorboard:
+            self.tensorboard.trace(path)
+        self._event(
+            {"kind": "profile", "time": time.time(), **{k: v for k, v in trace.items() if k != "data"}}
+        )
+
+    def _plot(self) -> None:
+        """The loss/throughput plot over the whole run (earlier drivers' steps included)."""
+        if self.run_dir is None:
+            return
+        series = dict(self.series)
+        try:
+            for key in PLOTTED:
+                history = self.run.client.get_metric_history(self.run.run_id, key)
+                if history:
+                    series[key] = [(m.step, m.value) for m in history]
+        except Exception:  # the store is down: this driver's steps only
+            pass
+        path = plot_run(series, self.run_dir.name, self.run_dir / "plots" / "training.png")
+        if path is not None:
+            self.run.log_artifact(str(path), "plots")
+
+    def finish(self, status: str) -> int:
+        """Close the run; the number of writes MLflow never took (0 when all were sent)."""
+        self.run.set_tags(
+            {
+                "shoal.ended": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                "shoal.buffered_writes": self.run.buffered_total,
+            }
+        )
+        self._plot()
+        if self.tensorboard:
+            self.tensorboard.close()
+            self.run.log_artifact(str(self.tensorboard.logdir), "tensorboard")
         self.run.finish(status)
+        if not self.run.flush_within(FLUSH_AT_END_S):
+            log.error("MLflow at %s: %d writes could not be sent", self.run.uri, len(self.run.pending))
+        return len(self.run.pending)

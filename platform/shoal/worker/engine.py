@@ -125,26 +125,30 @@ class Engine:
         self.optimizer_step()
         return loss, weight
 
-    def forward_backward(self, group: list[dict[str, torch.Tensor]]) -> tuple[float, float]:
-        """Gradients of one optimizer step's micro-batches, not yet applied.
+    def forward_backward(
+        self, group: list[dict[str, torch.Tensor]], clock: Any = None
+    ) -> tuple[float, float]:
+        """Gradients of one optimizer step's micro-batches, not yet applied; `clock` (a
+        PhaseClock) times the forward passes (pipelines: the whole schedule).
 
         Returns this rank's mean loss and its weight (0 on pipeline stages that have no loss).
         """
+        span = clock.span if clock is not None else (lambda name: nullcontext())
         for part in self.parts:
             part.train()
         if self.pipeline is not None:
             losses = []
             for batch in group:
                 tokens = batch["tokens"].to(self.device).long()
-                losses += [
-                    x.item() * self.accumulation for x in self.pipeline.step(tokens[:, :-1], tokens[:, 1:])
-                ]
+                with span("forward"):
+                    outputs = self.pipeline.step(tokens[:, :-1], tokens[:, 1:])
+                losses += [x.item() * self.accumulation for x in outputs]
             loss, weight = (sum(losses) / len(losses), 1.0) if losses else (0.0, 0.0)
         else:
             total = torch.zeros((), device=self.device)
             for index, batch in enumerate(group):
                 with self._sync_context(index == len(group) - 1):
-                    with self.precision.autocast():
+                    with span("forward"), self.precision.autocast():
                         step_loss, _ = forward_loss(self.parts[0], batch, self.task, self.device)
                     self.precision.backward(step_loss / len(group))
                 total += step_loss.detach()

@@ -12,15 +12,20 @@ import os
 import sys
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from shoal.models.cost import batch_shapes, trace_cost
 from shoal.worker.checkpoint import Position
 from shoal.worker.checkpointing import Checkpointer
 from shoal.worker.engine import Engine
+from shoal.worker.metrics import GpuReadings, PhaseClock, StragglerWatch, peak_memory_mb, worker_metrics
+from shoal.worker.profiling import ProfileWindow
 from shoal.worker.reporting import Reporter, StepStats
 from shoal.worker.runtime import HangWatchdog, SampleAudit, pick_device, seed_everything, write_pid_file
 from shoal.worker.steps import evaluate
@@ -89,7 +94,13 @@ class Trainer:
         # What was recorded since the last checkpoint goes into the next one, so that a driver
         # killed before it logged them gets them again from the restored attempt.
         self.unsaved: dict[str, list] = {"steps": [], "evals": []}
-        self.reporter = Reporter(StepStats(self.world, config["report_interval_s"], self.rank == 0))
+        self.reporter = Reporter(StepStats(self.world, config["report_interval_s"], self.rank))
+        monitor = self.spec["monitor"]
+        self.clock, self.gpu = PhaseClock(self.device), GpuReadings(self.device)
+        self.stragglers = StragglerWatch(**monitor["stragglers"])
+        self.profile = ProfileWindow(monitor["profile"], self.rank, self.device, config["run_dir"])
+        self.flops_per_step: float | None = None
+        self.stalls: dict[str, float] = {"checkpoint": 0.0, "eval": 0.0}  # between steps
         background = self.spec["checkpoint"]["async"]
         self.checkpointer = Checkpointer(
             self.engine, self.rank, background, self.reporter, config.get("init_from")
@@ -135,6 +146,7 @@ class Trainer:
             global_batch=self.global_batch,
             total_steps=self.total_steps,
             device=str(self.device),
+            device_name=device_name(self.device),
             parallel=self.engine.describe(),
         )
 
@@ -236,9 +248,21 @@ class Trainer:
         self.watchdog.arm()
         started, self.data_wait = time.perf_counter(), 0.0
         for group in self._steps(self._timed(self._stream())):
-            local_loss, weight = self.engine.forward_backward([self.engine.combine(i.batch) for i in group])
-            loss, report_due, written = self.reporter.stats.reduce(
-                local_loss, weight, self.checkpointer.written_here()
+            self.profile.before_step(self.position.step + 1)
+            batches = [self.engine.combine(i.batch) for i in group]
+            if self.flops_per_step is None:
+                self.flops_per_step = self._flops_per_step(batches[0])
+            timer = time.perf_counter()
+            local_loss, weight = self.engine.forward_backward(batches, clock=self.clock)
+            self.clock.add("forward_backward", time.perf_counter() - timer)
+            phases = self.clock.take()
+            per_rank = {
+                "busy_s": self.data_wait + phases.get("forward", 0.0),
+                "peak_mb": peak_memory_mb(self.device),
+                **self.gpu.read(),
+            }
+            loss, report_due, written, gathered = self.reporter.stats.reduce(
+                local_loss, weight, self.checkpointer.written_here(), per_rank
             )
             if written and self.checkpointer.pending is not None:
                 self.checkpointer.finish_pending()
@@ -252,20 +276,26 @@ class Trainer:
                     return outcome
                 started = time.perf_counter()
                 continue
+            timer = time.perf_counter()
             self.engine.optimizer_step()
+            phases["optimizer"] = time.perf_counter() - timer
             self.position.step += 1
             self.last_loss = loss
             if self.audit:
                 self.audit.record(self.position.step, last.epoch, group)
             elapsed, started = time.perf_counter() - started, time.perf_counter()
-            self._record(loss, self.global_batch, elapsed, predicted_per_sample=self._predicted(last.batch))
+            self._record(loss, elapsed, self._predicted(last.batch), phases, gathered)
             step, done = self.position.step, self.position.step >= self.total_steps
+            if trace := self.profile.after_step(step):
+                self.reporter.profiles.append(trace)
             if done or (every_eval and step % every_eval == 0):
-                self._evaluate()
+                with self._stall("eval"):
+                    self._evaluate()
             self.watchdog.arm()
             if done or (every_ckpt and step % every_ckpt == 0):
-                self.save(final=done)
-            elif report_due or self.reporter.events:
+                with self._stall("checkpoint"):
+                    self.save(final=done)
+            elif report_due or self.reporter.events or self.reporter.profiles:
                 self.reporter.send(self._summary())
             self.watchdog.arm()
             if done:
@@ -313,7 +343,31 @@ class Trainer:
         """Tokens predicted per sample: a window of T+1 tokens trains T next-token predictions."""
         return batch["tokens"].shape[1] - 1 if self.task == "lm" else 0
 
-    def _record(self, loss: float, samples: int, elapsed: float, predicted_per_sample: int) -> None:
+    @contextmanager
+    def _stall(self, kind: str) -> Iterator[None]:
+        """Time spent between steps (evaluating, checkpointing): part of the next step's time."""
+        started = time.perf_counter()
+        yield
+        self.stalls[kind] += time.perf_counter() - started
+
+    def _flops_per_step(self, batch: dict[str, torch.Tensor]) -> float:
+        """Model FLOPs of one optimizer step (every rank's share), traced once on meta."""
+        try:
+            cost = trace_cost(self.spec["model"], self.task, batch_shapes(batch))
+        except Exception as exc:  # a user model that cannot be built on meta: no FLOP metrics
+            self.reporter.event("flops_unavailable", reason=f"{type(exc).__name__}: {exc}"[:300])
+            return 0.0
+        return cost.flops_per_sample * self.global_batch
+
+    def _record(
+        self,
+        loss: float,
+        elapsed: float,
+        predicted_per_sample: int,
+        phases: dict[str, float],
+        gathered: dict[str, list[float]],
+    ) -> None:
+        samples = self.global_batch
         record = {
             "step": self.position.step,
             "time": time.time(),  # when the step ended: MLflow's timestamp for this step's points
@@ -321,11 +375,28 @@ class Trainer:
             "train/lr": self.engine.lr,
             "train/grad_norm": self.engine.last_grad_norm,
             "train/samples_per_s": samples / elapsed,
+            "train/samples_per_s_per_worker": samples / elapsed / self.world,
             "train/data_wait_share": self.data_wait / elapsed,  # of this step's wall time
             "train/epoch": self.position.epoch,
+            "time/step_s": elapsed,
+            "time/data_wait_s": self.data_wait,
+            "time/forward_backward_s": phases.get("forward_backward", 0.0),
+            "time/forward_s": phases.get("forward", 0.0),
+            "time/optimizer_s": phases.get("optimizer", 0.0),
+            "time/checkpoint_s": self.stalls["checkpoint"],
+            "time/eval_s": self.stalls["eval"],
+            **worker_metrics(gathered, self.gpu.available),
         }
+        self.stalls = {"checkpoint": 0.0, "eval": 0.0}
+        if self.flops_per_step:
+            record["perf/tflops"] = self.flops_per_step / elapsed / 1e12
+            record["perf/tflops_per_worker"] = record["perf/tflops"] / self.world
         if self.task == "lm":
             record["train/tokens_per_s"] = samples * predicted_per_sample / elapsed
+            record["train/tokens_per_s_per_worker"] = record["train/tokens_per_s"] / self.world
+        if self.rank == 0:
+            for event in self.stragglers.observe(self.position.step, gathered["busy_s"]):
+                self.reporter.event(event.pop("kind"), **event)
         if self.engine.precision.scaler is not None:
             record["train/skipped_steps"] = self.engine.precision.skipped_steps
         self.reporter.record_step(record)
@@ -337,6 +408,10 @@ class Trainer:
         self.watchdog.disarm()
         self.reporter.event("fatal", reason=reason, step=self.position.step)
         self.reporter.send(self._summary(fatal=reason))
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def train(config: dict[str, Any]) -> None:

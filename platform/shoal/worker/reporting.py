@@ -17,24 +17,41 @@ import torch.distributed as dist
 
 class StepStats:
     """All-reduce of [loss x weight, weight, report-due flag, ranks whose checkpoint write is
-    done]: one small collective per step, so that every rank takes the same decisions."""
+    done, one slot per rank for each per-rank value]: one small collective per step, so that
+    every rank takes the same decisions and rank 0 knows every rank's timings."""
 
-    def __init__(self, world_size: int, interval_s: float, is_rank0: bool):
-        self.world_size, self.interval_s, self.is_rank0 = world_size, interval_s, is_rank0
+    def __init__(self, world_size: int, interval_s: float, rank: int):
+        self.world_size, self.interval_s, self.rank = world_size, interval_s, rank
+        self.is_rank0 = rank == 0
         self.last_report = time.monotonic()
 
     def reduce(
-        self, local_loss: float, weight: float = 1.0, written: bool = True
-    ) -> tuple[float, bool, bool]:
+        self,
+        local_loss: float,
+        weight: float = 1.0,
+        written: bool = True,
+        per_rank: dict[str, float] | None = None,
+    ) -> tuple[float, bool, bool, dict[str, list[float]]]:
         """Mean loss over the ranks that have one (pipeline stages before the last have none),
-        whether a report is due, and whether every rank has written its pending checkpoint."""
+        whether a report is due, whether every rank has written its pending checkpoint, and
+        each of `per_rank`'s values as a list over the ranks (every rank passes the same keys)."""
         due = self.is_rank0 and time.monotonic() - self.last_report >= self.interval_s
         flags = [1.0 if due else 0.0, 1.0 if written else 0.0]
-        values = torch.tensor([local_loss * weight, weight, *flags], dtype=torch.float64)
+        names = sorted(per_rank or {})
+        slots = torch.zeros(len(names) * self.world_size, dtype=torch.float64)
+        for index, name in enumerate(names):
+            slots[index * self.world_size + self.rank] = float(per_rank[name])  # type: ignore[index]
+        values = torch.cat([torch.tensor([local_loss * weight, weight, *flags], dtype=torch.float64), slots])
         if self.world_size > 1:
             dist.all_reduce(values)
         loss = values[0].item() / max(values[1].item(), 1e-12)
-        return loss, values[2].item() > 0, values[3].item() >= self.world_size
+        rows = values[4:].view(len(names), self.world_size).tolist() if names else []
+        return (
+            loss,
+            values[2].item() > 0,
+            values[3].item() >= self.world_size,
+            dict(zip(names, rows, strict=True)),
+        )
 
     def reported(self) -> None:
         self.last_report = time.monotonic()
@@ -47,6 +64,7 @@ class Reporter:
         self.stats = stats
         self.steps: list[dict[str, float]] = []
         self.events: list[dict[str, Any]] = []
+        self.profiles: list[dict[str, Any]] = []  # every rank's traces go to the driver
 
     def record_step(self, record: dict[str, float]) -> None:
         self.steps.append(record)
@@ -64,6 +82,8 @@ class Reporter:
         import ray.train
 
         metrics = {**summary, "shoal_steps": self.steps, "shoal_events": self.events}
+        if checkpoint is None and self.profiles:  # checkpoint reports' metrics are kept by Ray
+            metrics["shoal_profiles"], self.profiles = self.profiles, []
         options = {}
         if upload_in_background:  # Ray copies to storage on a thread, then deletes the local files
             options = {

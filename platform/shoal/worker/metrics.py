@@ -1,0 +1,147 @@
+"""What each worker measures per step: phase times, FLOPs, peak memory, GPU readings, and
+which workers straggle.
+
+A worker's own share of a step (`busy`) is its data wait plus its forward passes:
+the backward pass ends in collectives where fast workers wait for slow ones, so
+only the part before them tells workers apart.
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+
+class PhaseClock:
+    """Seconds per named phase of the current step. On CUDA, spans are timed with events
+    read after the step's own synchronisation, so measuring adds no device sync."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._events: list[tuple[str, Any, Any]] = []
+
+    @contextmanager
+    def span(self, name: str) -> Iterator[None]:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((name, start, end))
+            return
+        started = time.perf_counter()
+        yield
+        self.seconds[name] += time.perf_counter() - started
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] += seconds
+
+    def take(self) -> dict[str, float]:
+        """This step's phases (the caller has synchronised); the clock starts afresh."""
+        for name, start, end in self._events:
+            end.synchronize()
+            self.seconds[name] += start.elapsed_time(end) / 1000
+        taken, self.seconds, self._events = dict(self.seconds), defaultdict(float), []
+        return taken
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """CUDA: the most memory tensors have held; CPU: the process's peak resident set."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+class GpuReadings:
+    """Utilisation, memory, power and temperature of this worker's GPU through NVML
+    (nvidia-ml-py); no readings where there is no GPU or no NVML."""
+
+    FIELDS = ("utilization_pct", "memory_used_mb", "power_w", "temperature_c")
+
+    def __init__(self, device: torch.device):
+        self.handle = None
+        if device.type != "cuda":
+            return
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self.nvml = pynvml
+            uuid = str(torch.cuda.get_device_properties(device).uuid)
+            self.handle = pynvml.nvmlDeviceGetHandleByUUID(("GPU-" + uuid).encode())
+        except Exception:  # no NVML library, or an unknown device: simply no readings
+            self.handle = None
+
+    @property
+    def available(self) -> bool:
+        return self.handle is not None
+
+    def read(self) -> dict[str, float]:
+        if self.handle is None:
+            return {}
+        nvml, handle = self.nvml, self.handle
+        return {
+            "utilization_pct": float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu),
+            "memory_used_mb": nvml.nvmlDeviceGetMemoryInfo(handle).used / 2**20,
+            "power_w": nvml.nvmlDeviceGetPowerUsage(handle) / 1000,
+            "temperature_c": float(nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU)),
+        }
+
+
+class StragglerWatch:
+    """A worker whose busy time exceeds `factor` x the median of the others (and them by at
+    least `min_gap_s`) for `steps` steps in a row is a straggler: one event when it starts,
+    one when it recovers."""
+
+    def __init__(self, factor: float, steps: int, min_gap_s: float):
+        self.factor, self.steps, self.min_gap_s = factor, steps, min_gap_s
+        self.streaks: dict[int, int] = defaultdict(int)
+        self.flagged: set[int] = set()
+
+    def observe(self, step: int, busy: list[float]) -> list[dict[str, Any]]:
+        events = []
+        for rank, seconds in enumerate(busy):
+            others = busy[:rank] + busy[rank + 1 :]
+            if not others:
+                return []
+            median = statistics.median(others)
+            slow = seconds > self.factor * median and seconds - median >= self.min_gap_s
+            self.streaks[rank] = self.streaks[rank] + 1 if slow else 0
+            if slow and self.streaks[rank] == self.steps:
+                self.flagged.add(rank)
+                events.append(
+                    {
+                        "kind": "straggler",
+                        "rank": rank,
+                        "step": step,
+                        "busy_s": round(seconds, 4),
+                        "median_s": round(median, 4),
+                        "ratio": round(seconds / median, 2) if median > 0 else None,
+                        "steps": self.steps,
+                    }
+                )
+            elif not slow and rank in self.flagged:
+                self.flagged.discard(rank)
+                events.append({"kind": "straggler_recovered", "rank": rank, "step": step})
+        return events
+
+
+def worker_metrics(gathered: dict[str, list[float]], gpus: bool) -> dict[str, float]:
+    """Per-worker values (every rank's, from the step's all-reduce) as MLflow metrics."""
+    busy = gathered["busy_s"]
+    metrics = {f"worker/{rank}/busy_s": value for rank, value in enumerate(busy)}
+    metrics["time/busy_max_s"] = max(busy)
+    metrics["time/busy_median_s"] = statistics.median(busy)
+    metrics["memory/peak_mb"] = max(gathered["peak_mb"])
+    for field in GpuReadings.FIELDS if gpus else ():
+        for rank, value in enumerate(gathered[field]):
+            metrics[f"gpu/{rank}/{field}"] = value
+    return metrics
