@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.markup import escape
 
+from shoal import cli_inspect
+
 if TYPE_CHECKING:
     from shoal.launch import RunOptions
     from shoal.spec import LoadedWorkload
@@ -92,6 +94,7 @@ def _parser() -> argparse.ArgumentParser:
     prepare.add_argument("--seed", type=int, default=0)
     prepare.add_argument("--seq-len", type=int, default=256, help="pytext window length in tokens")
     prepare.add_argument("--force", action="store_true", help="prepare again even if present")
+    cli_inspect.add_parsers(commands)
     return parser
 
 
@@ -296,6 +299,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "jobs": cmd_jobs,
         "validate": cmd_validate,
         "data": cmd_data,
+        "runs": lambda a: cli_inspect.cmd_runs(console, a),
     }
     try:
         return handlers[args.command](args)
