@@ -288,6 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from shoal.launch.storage import StorageError
     from shoal.launch.tuning import SweepError
     from shoal.models import ModelError
+    from shoal.plan.planner import PlanError
     from shoal.spec import SpecError
     from shoal.tracking import TrackingError
 
@@ -300,6 +301,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "validate": cmd_validate,
         "data": cmd_data,
         "runs": lambda a: cli_inspect.cmd_runs(console, a),
+        "plan": lambda a: cli_inspect.cmd_plan(console, a),
+        "doctor": lambda a: cli_inspect.cmd_doctor(console, a),
     }
     try:
         return handlers[args.command](args)
@@ -307,7 +310,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         for issue in exc.issues:
             errors.print(f"[red]error:[/] {escape(str(issue))}", soft_wrap=True)
         return EXIT_USAGE
-    except (DataError, ClusterError, StorageError, TrackingError, ModelError, SweepError, JobError) as exc:
+    except (
+        DataError,
+        ClusterError,
+        StorageError,
+        TrackingError,
+        ModelError,
+        SweepError,
+        JobError,
+        PlanError,
+    ) as exc:
         return _user_error(str(exc))
     except KeyboardInterrupt:
         errors.print("interrupted")

@@ -18,6 +18,26 @@ TRACKING_HELP = "MLflow tracking URI (default: $MLFLOW_TRACKING_URI or ./mlflow.
 
 
 def add_parsers(commands: Any) -> None:
+    from shoal.plan.catalog import CATALOG
+    from shoal.plan.planner import INTERCONNECTS
+
+    plan = commands.add_parser("plan", help="memory per GPU and the simplest layout that fits")
+    plan.add_argument("file", help="workload YAML")
+    plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    plan.add_argument("--gpu", required=True, choices=list(CATALOG))
+    plan.add_argument("--gpus", type=int, required=True, help="GPUs in all")
+    plan.add_argument("--nodes", type=int, default=1)
+    plan.add_argument(
+        "--interconnect", choices=INTERCONNECTS, help="default: nvlink where the GPU has it, else pcie"
+    )
+    plan.add_argument(
+        "--write", metavar="OUT.yaml", help="write the workload with the recommendation applied"
+    )
+    doctor = commands.add_parser("doctor", help="check this machine, a Ray cluster and MLflow")
+    doctor.add_argument("--address", help="Ray cluster to inspect (HOST:PORT); default: none")
+    doctor.add_argument("--set", dest="overrides", action="append", default=[], help=argparse.SUPPRESS)
+    doctor.add_argument("file", nargs="?", help="a workload: check its tracking URI and checkpoint storage")
+
     runs = commands.add_parser("runs", help="browse runs in MLflow: list | show RUN | compare RUN RUN ...")
     actions = runs.add_subparsers(dest="runs_command", required=True)
     listing = actions.add_parser("list", help="shoal's runs, newest first")
@@ -175,3 +195,136 @@ def cmd_runs(console: Console, args: argparse.Namespace) -> int:
     else:
         runs_compare(console, uri, args.run)
     return 0
+
+
+def _gb(value: float) -> str:
+    """Bytes in the unit that shows them best (GB = 10^9 bytes, as GPUs are sold)."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if value >= size:
+            return f"{value / size:.3g} {unit}"
+    return f"{value:.0f} B"
+
+
+def plan_table(plan: Any) -> Table:
+    from shoal.plan.memory import estimate
+
+    table = Table(
+        title=f"{plan.gpus} x {plan.gpu.name} ({plan.nodes} node(s), {plan.interconnect}); "
+        f"{plan.cost.parameters:,} parameters, {plan.training.precision}, global batch {plan.global_batch}; "
+        f"per GPU, {plan.usable_bytes / 1e9:.1f} GB usable",
+        title_justify="left",
+    )
+    columns = ("layout", "micro", "accum", "checkpointing", "weights", "grads", "optimizer")
+    for column in (*columns, "activations", "act. full ckpt", "peak", "fits"):
+        table.add_column(column, justify="left" if column in ("layout", "checkpointing", "fits") else "right")
+    for option in plan.options:
+        found = option.estimate
+        if found is None:
+            table.add_row(f"{option.layout.strategy} {option.layout.describe()}", *["-"] * 9, option.problem)
+            continue
+        full = estimate(plan.cost, option.layout, training_of_plan(plan, "full"), option.micro)
+        chosen = option is plan.choice
+        table.add_row(
+            f"{'[bold]' if chosen else ''}{option.layout.strategy} {option.layout.describe()}",
+            str(option.micro),
+            str(option.accumulation),
+            option.activation_checkpointing,
+            _gb(found.weights),
+            _gb(found.gradients),
+            _gb(found.optimizer),
+            _gb(found.activations),
+            _gb(full.activations),
+            _gb(found.peak),
+            "[green]yes[/]" if option.fits else f"[red]no[/] {option.problem}",
+        )
+    return table
+
+
+def precision_table(plan: Any, workload: Any) -> Table:
+    """The recommended layout's peak at each precision (fp8 keeps bf16 activations)."""
+    from dataclasses import replace
+
+    from shoal.plan.memory import estimate
+    from shoal.plan.planner import model_cost
+
+    option = plan.choice
+    table = Table(
+        title=f"{option.layout.strategy} {option.layout.describe()} by precision", title_justify="left"
+    )
+    for column in ("precision", "weights", "activations", "peak per GPU"):
+        table.add_column(column, justify="left" if column == "precision" else "right")
+    for precision in ("fp32", "bf16", "fp8"):
+        cost = model_cost(workload, precision)
+        training = replace(
+            plan.training, precision=precision, activation_checkpointing=option.activation_checkpointing
+        )
+        found = estimate(cost, option.layout, training, option.micro)
+        table.add_row(precision, _gb(found.weights), _gb(found.activations), _gb(found.peak))
+    return table
+
+
+def training_of_plan(plan: Any, mode: str) -> Any:
+    from dataclasses import replace
+
+    return replace(plan.training, activation_checkpointing=mode)
+
+
+def cmd_plan(console: Console, args: argparse.Namespace) -> int:
+    from shoal.plan.planner import make_plan, planned_yaml
+    from shoal.spec import load
+
+    loaded = load(args.file, args.overrides)
+    plan = make_plan(loaded.workload, args.gpu, args.gpus, args.nodes, args.interconnect)
+    console.print(plan_table(plan))
+    for option in plan.options:
+        for warning in option.warnings:
+            console.print(
+                f"[yellow]warning[/] {option.layout.strategy} {option.layout.describe()}: {warning}"
+            )
+    choice = plan.choice
+    if choice is None:
+        console.print("[red]nothing fits[/]: more GPUs, a larger GPU, or a smaller micro-batch/model")
+        return 1
+    console.print(
+        f"recommended: [bold]{choice.layout.strategy}[/] ({choice.layout.describe()}), micro-batch "
+        f"{choice.micro} per data-parallel slot x accumulation {choice.accumulation}, "
+        f"activation checkpointing {choice.activation_checkpointing}: "
+        f"{choice.estimate.peak / 1e9:.1f} GB per GPU"
+    )
+    console.print(precision_table(plan, loaded.workload))
+    if args.write:
+        from pathlib import Path
+
+        text = planned_yaml(args.file, args.overrides, plan)
+        target = Path(args.write)
+        partial = target.with_name(f".{target.name}.partial")
+        partial.write_text(text)
+        partial.replace(target)
+        console.print(f"wrote {target}: shoal run {target}")
+    return 0
+
+
+def cmd_doctor(console: Console, args: argparse.Namespace) -> int:
+    from shoal.plan.doctor import FAIL, run_checks
+    from shoal.tracking import resolve_uri
+
+    storage, endpoint, uri = "./shoal_runs", None, resolve_uri(None)
+    if args.file:
+        from shoal.spec import load
+
+        workload = load(args.file, args.overrides).workload
+        storage, endpoint = workload.checkpoint.storage, workload.checkpoint.endpoint
+        uri = resolve_uri(workload.tracking.uri)
+    checks = run_checks(args.address, uri, storage, endpoint)
+    table = Table(title="shoal doctor", title_justify="left")
+    for column in ("", "check", "found", "hint"):
+        table.add_column(column, overflow="fold")
+    colour = {"✓": "green", "✗": "red", "–": "dim"}
+    for check in checks:
+        table.add_row(f"[{colour[check.mark]}]{check.mark}[/]", check.name, escape(check.detail), check.hint)
+    console.print(table)
+    failed = [c.name for c in checks if c.mark == FAIL]
+    console.print(
+        f"[red]{len(failed)} check(s) failed: {', '.join(failed)}[/]" if failed else "[green]ready[/]"
+    )
+    return 1 if failed else 0

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from shoal.models.registry import build_model
@@ -30,6 +31,8 @@ class ModelCost:
     selective_bytes_per_sample: float  # every other block recomputed
     largest_bytes_per_sample: float  # the largest saved tensor: its gradient is live beside it
     blocks: int
+    block_parameters: int  # inside the repeated blocks (what TP and pipeline stages split)
+    block_activation_fraction: float  # of the saved bytes, the share saved inside blocks
 
     def activation_bytes(self, activation_checkpointing: str) -> float:
         return {
@@ -59,6 +62,31 @@ def _loss(model: nn.Module, batch: dict[str, torch.Tensor], task: str) -> torch.
     tokens = batch["tokens"].long()
     logits = model(tokens[:, :-1])
     return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+
+
+class _FusedAttention(TorchFunctionMode):
+    """On meta, scaled_dot_product_attention takes the math path, which saves the T x T
+    attention matrix; real devices run fused kernels that keep only q, k, v, the output and
+    a log-sum-exp. Trace the fused (memory-efficient) kernel, which has a meta version."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        query, key, value, *rest = args
+        names = ("attn_mask", "dropout_p", "is_causal")
+        options = {**dict(zip(names, rest, strict=False)), **kwargs}
+        fused = torch.ops.aten._scaled_dot_product_efficient_attention(
+            query,
+            key,
+            value,
+            options.get("attn_mask"),
+            True,
+            options.get("dropout_p", 0.0),
+            options.get("is_causal", False),
+            scale=options.get("scale"),
+        )
+        return fused[0]
 
 
 class _SavedTensors:
@@ -114,7 +142,7 @@ def trace_cost(
     for block in blocks:
         saved.watch(block)
     counter = FlopCounterMode(display=False)
-    with counter, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+    with counter, _FusedAttention(), torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
         _loss(model, batch, task).backward()
     full, selective = _checkpointed(saved)
     return ModelCost(
@@ -125,19 +153,24 @@ def trace_cost(
         selective_bytes_per_sample=selective / TRACE_BATCH,
         largest_bytes_per_sample=max(saved.sizes.values(), default=0) / TRACE_BATCH,
         blocks=len(blocks),
+        block_parameters=sum(p.numel() for block in blocks for p in block.parameters()),
+        block_activation_fraction=sum(saved.block_bytes) / saved.total if saved.total else 0.0,
     )
 
 
 def _checkpointed(saved: _SavedTensors) -> tuple[float, float]:
-    """Saved bytes when every block (full) or every other block (selective) keeps only its
-    input, plus the one block being recomputed in backward."""
+    """Saved bytes when every block (full) or every other block from the first (selective,
+    as worker/parallel applies it) keeps only its input. Backward recomputes one block at a
+    time, last first: the first one recomputed adds its activations on top unless a block
+    after it (not recomputed) has already freed as much."""
     if not saved.block_bytes:
         return float(saved.total), float(saved.total)
-    largest = max(saved.block_bytes)
 
     def keeping(recomputed: list[int]) -> float:
         dropped = sum(saved.block_bytes[i] - saved.block_inputs[i] for i in recomputed)
-        return saved.total - dropped + largest
+        first_recomputed = max(recomputed)
+        freed_before = sum(saved.block_bytes[first_recomputed + 1 :])
+        return saved.total - dropped + max(0, saved.block_bytes[first_recomputed] - freed_before)
 
     every = list(range(len(saved.block_bytes)))
     return keeping(every), keeping(every[::2])

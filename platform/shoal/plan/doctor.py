@@ -1,0 +1,186 @@
+"""`shoal doctor`: is this machine (and cluster, and tracking store) ready to train?
+
+Each check says ✓ (fine), ✗ (will not work; with a hint) or – (does not apply
+here, e.g. NCCL on a machine without GPUs).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+OK, FAIL, NOT_APPLICABLE = "✓", "✗", "–"
+PINNED = {"torch": "2.13", "ray": "2.60", "mlflow": "3.17"}  # pyproject's tested versions
+MIN_FREE_BYTES = 5e9
+
+
+@dataclass
+class Check:
+    name: str
+    mark: str
+    detail: str
+    hint: str = ""
+
+
+def versions() -> list[Check]:
+    import mlflow
+    import ray
+    import torch
+
+    checks = []
+    python = platform.python_version()
+    python_ok = tuple(int(p) for p in python.split(".")[:2]) >= (3, 10)
+    checks.append(
+        Check("python", OK if python_ok else FAIL, python, "" if python_ok else "shoal needs >= 3.10")
+    )
+    for name, module in (("torch", torch), ("ray", ray), ("mlflow", mlflow)):
+        version = module.__version__
+        ok = version.startswith(PINNED[name])
+        hint = "" if ok else f"tested with {name} {PINNED[name]}.x: pip install -c constraints.txt -e ."
+        checks.append(Check(name, OK if ok else FAIL, version, hint))
+    return checks
+
+
+def gpus() -> list[Check]:
+    import torch
+
+    from shoal.plan.catalog import gpu_for_device
+
+    if not torch.cuda.is_available():
+        return [
+            Check(
+                "cuda",
+                NOT_APPLICABLE,
+                f"no CUDA GPU (torch built for CUDA {torch.version.cuda or 'none'})",
+                "shoal trains on CPU with gloo here; set scaling.gpus_per_worker: 0",
+            ),
+            Check("nccl", NOT_APPLICABLE, "needs CUDA"),
+        ]
+    checks = [Check("cuda", OK, f"CUDA {torch.version.cuda}, {torch.cuda.device_count()} GPU(s)")]
+    nccl = ".".join(str(p) for p in torch.cuda.nccl.version())
+    checks.append(Check("nccl", OK, nccl))
+    for index in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(index)
+        known = gpu_for_device(props.name)
+        detail = f"{props.name}, {props.total_memory / 2**30:.0f} GiB, capability {props.major}.{props.minor}"
+        hint = "" if known else "not in shoal's GPU catalog: no MFU, shoal plan cannot target it"
+        checks.append(Check(f"gpu {index}", OK if known else NOT_APPLICABLE, detail, hint))
+    return checks
+
+
+def topology() -> list[Check]:
+    checks = []
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        checks.append(Check("topology", NOT_APPLICABLE, "no nvidia-smi"))
+    else:
+        result = subprocess.run([smi, "topo", "-m"], capture_output=True, text=True, timeout=30)
+        ok = result.returncode == 0
+        detail = result.stdout.strip() if ok else result.stderr.strip()[:300]
+        links = "NV" in result.stdout
+        hint = "" if links else "no NVLink between GPUs: prefer ddp/fsdp over tp (see shoal plan)"
+        checks.append(
+            Check("topology", OK if ok else FAIL, detail, hint if ok else "nvidia-smi topo -m failed")
+        )
+    devices = sorted(p.name for p in Path("/sys/class/infiniband").glob("*"))
+    if devices:
+        checks.append(Check("infiniband", OK, ", ".join(devices)))
+    else:
+        checks.append(
+            Check(
+                "infiniband",
+                NOT_APPLICABLE,
+                "no InfiniBand devices",
+                "multi-node FSDP/TP will run over Ethernet",
+            )
+        )
+    return checks
+
+
+def ray_cluster(address: str | None) -> list[Check]:
+    if address is None:
+        cpus = os.cpu_count() or 1
+        return [
+            Check("ray", NOT_APPLICABLE, f"no --address: shoal run starts a local Ray ({cpus} CPUs here)")
+        ]
+    import ray
+
+    from shoal.launch.cluster import ClusterError, probe
+
+    try:
+        probe(address)  # ray.init would wait minutes for an address nobody listens at
+    except ClusterError as exc:
+        return [Check("ray", FAIL, str(exc), "is `ray start --head` running there?")]
+    try:
+        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+        resources, nodes = ray.cluster_resources(), [n for n in ray.nodes() if n["Alive"]]
+    except Exception as exc:  # the cluster's own error says why (refused, auth, version)
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        return [
+            Check(
+                "ray", FAIL, f"{address}: {first}", "is `ray start --head` running there? same Ray version?"
+            )
+        ]
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+    cpus, gpu_count = resources.get("CPU", 0), resources.get("GPU", 0)
+    return [Check("ray", OK, f"{address}: {len(nodes)} node(s), {cpus:g} CPUs, {gpu_count:g} GPUs")]
+
+
+def tracking(uri: str) -> list[Check]:
+    from mlflow.tracking import MlflowClient
+
+    from shoal.tracking.mlflow_run import FAST_FAIL_ENV
+
+    if uri.startswith("sqlite:///"):
+        database = Path(uri.removeprefix("sqlite:///"))
+        if not database.exists():  # connecting would create it: check where it would go instead
+            parent = database.parent
+            ok = parent.is_dir() and os.access(parent, os.W_OK)
+            hint = "" if ok else f"{parent} is not a writable directory: set tracking.uri"
+            return [Check("mlflow", OK if ok else FAIL, f"{uri}: created on the first run", hint)]
+    for key, value in FAST_FAIL_ENV.items():
+        os.environ.setdefault(key, value)
+    try:
+        count = len(MlflowClient(tracking_uri=uri).search_experiments(max_results=100))
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0][:300]
+        return [Check("mlflow", FAIL, f"{uri}: {first}", "start it (mlflow server ...) or fix tracking.uri")]
+    return [Check("mlflow", OK, f"{uri}: reachable, {count} experiment(s)")]
+
+
+def storage(where: str, endpoint: str | None) -> list[Check]:
+    if "://" in where and not where.startswith("file://"):
+        from shoal.launch.storage import StorageError, open_storage, probe
+
+        try:
+            probe(open_storage(where, endpoint))
+        except (StorageError, OSError) as exc:
+            return [
+                Check("checkpoints", FAIL, f"{where}: {exc}", "check the bucket, endpoint and credentials")
+            ]
+        return [Check("checkpoints", OK, f"{where}: writable")]
+    path = Path(where.removeprefix("file://")).resolve()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    free = shutil.disk_usage(existing).free
+    ok = free >= MIN_FREE_BYTES and os.access(existing, os.W_OK)
+    hint = "" if ok else f"under {MIN_FREE_BYTES / 1e9:.0f} GB free or not writable: set checkpoint.storage"
+    return [Check("checkpoints", OK if ok else FAIL, f"{path}: {free / 1e9:.1f} GB free", hint)]
+
+
+def run_checks(
+    address: str | None, tracking_uri: str, checkpoint_storage: str, endpoint: str | None
+) -> list[Check]:
+    return [
+        *versions(),
+        *gpus(),
+        *topology(),
+        *ray_cluster(address),
+        *tracking(tracking_uri),
+        *storage(checkpoint_storage, endpoint),
+    ]
