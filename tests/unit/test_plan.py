@@ -148,7 +148,8 @@ def test_plan_command_writes_a_workload_that_validates(tmp_path, capsys) -> None
     source = tmp_path / "w.yaml"
     source.write_text(
         "name: big\n"
-        "model: {family: gpt, args: {n_layers: 32, d_model: 4096, n_heads: 32, seq_len: 2048, vocab_size: 32000}}\n"
+        "model: {family: gpt, args: {n_layers: 32, d_model: 4096, n_heads: 32, seq_len: 2048,\n"
+        "                            vocab_size: 32000}}\n"
         "data: {builtin: pytext, batch_size: 8}\n"
         "train: {max_steps: 10, global_batch_size: 64, precision: bf16}\n"
     )

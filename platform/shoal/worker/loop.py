@@ -394,9 +394,10 @@ class Trainer:
         if self.task == "lm":
             record["train/tokens_per_s"] = samples * predicted_per_sample / elapsed
             record["train/tokens_per_s_per_worker"] = record["train/tokens_per_s"] / self.world
-        if self.rank == 0:
-            for event in self.stragglers.observe(self.position.step, gathered["busy_s"]):
-                self.reporter.event(event.pop("kind"), **event)
+        # Every rank sees the same gathered times and so records the same events: a rank-0-only
+        # event would make rank 0 alone decide to report, and ray.train.report is a barrier.
+        for event in self.stragglers.observe(self.position.step, gathered["busy_s"]):
+            self.reporter.event(event.pop("kind"), **event)
         if self.engine.precision.scaler is not None:
             record["train/skipped_steps"] = self.engine.precision.skipped_steps
         self.reporter.record_step(record)

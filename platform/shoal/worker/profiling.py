@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 MAX_SENT_BYTES = 32 * 2**20
 
@@ -24,6 +24,7 @@ class ProfileWindow:
         self.window, self.rank, self.device = window, rank, device
         self.directory = Path(run_dir) / "profiles"
         self.profiler: Any = None
+        self.label: Any = None
 
     def _first_and_last(self) -> tuple[int, int]:
         assert self.window is not None
@@ -32,19 +33,23 @@ class ProfileWindow:
 
     def before_step(self, step: int) -> None:
         """`step` is the optimizer step about to run (1-based)."""
-        if self.window is None or self.profiler is not None or step != self._first_and_last()[0]:
+        if self.window is None:
             return
-        activities = [ProfilerActivity.CPU]
-        if self.device.type == "cuda":
-            activities.append(ProfilerActivity.CUDA)
-        self.profiler = profile(activities=activities, record_shapes=True, profile_memory=True)
-        self.profiler.start()
+        if self.profiler is None and step == self._first_and_last()[0]:
+            activities = [ProfilerActivity.CPU]
+            if self.device.type == "cuda":
+                activities.append(ProfilerActivity.CUDA)
+            self.profiler = profile(activities=activities, record_shapes=True, profile_memory=True)
+            self.profiler.start()
+        if self.profiler is not None:  # the step's span, named as TensorBoard's profiler plugin expects
+            self.label = record_function(f"ProfilerStep#{step}")
+            self.label.__enter__()
 
     def after_step(self, step: int) -> dict[str, Any] | None:
         """The finished trace once `step` closes the window, else None."""
         if self.profiler is None:
             return None
-        self.profiler.step()
+        self.label.__exit__(None, None, None)
         first, last = self._first_and_last()
         if step < last:
             return None

@@ -1,0 +1,150 @@
+"""A real `mlflow server` on loopback: a run tracked there is browsable with `shoal runs` and
+MLflow's REST API; the server is SIGKILLed mid-run and restarted, training goes on, and the
+metrics written meanwhile are buffered and sent: none lost, none twice."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from tests.conftest import write_workload
+from tests.integration.helpers import shoal_cli, wait_for
+
+STEPS = 150
+SLOW_MODEL = """
+import time
+import torch
+
+class Slow(torch.nn.Module):
+    task = "classify"
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(64, 10)
+
+    def forward(self, x):
+        if x.device.type != "meta":
+            time.sleep(0.05)  # long enough a run for the server to die and come back under it
+        return self.body(x)
+"""
+
+
+class MlflowServer:
+    def __init__(self, root: Path):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.root, self.process = root, None
+        self.uri = f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        command = [
+            sys.executable, "-m", "mlflow", "server",
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--backend-store-uri", f"sqlite:///{self.root / 'server.db'}",
+            "--artifacts-destination", str(self.root / "artifacts"),
+            "--workers", "1",
+        ]  # fmt: skip
+        log = open(self.root / "server.log", "a")  # noqa: SIM115 (closed with the process)
+        self.process = subprocess.Popen(command, stdout=log, stderr=log, start_new_session=True)
+        wait_for(self.healthy, 120, "the MLflow server to answer /health")
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)  # its own session: the server and its workers
+            self.process.wait()
+
+    def rest(self, path: str) -> dict:
+        with urllib.request.urlopen(f"{self.uri}/api/2.0/mlflow/{path}", timeout=10) as response:
+            return json.loads(response.read())
+
+
+@pytest.fixture
+def mlflow_server(tmp_path: Path) -> Iterator[MlflowServer]:
+    root = tmp_path / "mlflow-server"
+    root.mkdir()
+    server = MlflowServer(root)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+def test_server_outage_is_buffered_and_runs_are_browsable(workdir: Path, mlflow_server: MlflowServer) -> None:
+    (workdir / "slow_model.py").write_text(SLOW_MODEL)
+    write_workload(
+        workdir,
+        {
+            "name": "served",
+            "model": {"target": "slow_model:Slow"},
+            "data": {"builtin": "digits", "batch_size": 16},
+            "train": {"max_steps": STEPS, "eval_every": 50},
+            "scaling": {"workers": 1, "threads_per_worker": 1},
+            "checkpoint": {"every_steps": 50},
+            "tracking": {"uri": mlflow_server.uri},
+        },
+    )
+    job = shoal_cli(["run", "w.yaml", "--run-name", "served"], workdir)
+    client = MlflowClient(mlflow_server.uri)
+
+    def logged_steps() -> int:
+        experiment = client.get_experiment_by_name("served")
+        runs = client.search_runs([experiment.experiment_id]) if experiment else []
+        return len(client.get_metric_history(runs[0].info.run_id, "train/loss")) if runs else 0
+
+    wait_for(lambda: logged_steps() >= 20, 300, "20 steps in MLflow")
+    mlflow_server.kill()
+    time.sleep(10)  # training goes on with nowhere to write
+    assert job.poll() is None, "the run should outlive the tracking server's outage"
+    mlflow_server.start()
+    out, err = job.communicate(timeout=600)
+    assert job.returncode == 0, out + err
+
+    run = client.search_runs([client.get_experiment_by_name("served").experiment_id])[0]
+    run_id = run.info.run_id
+    got = mlflow_server.rest(f"runs/get?run_id={run_id}")["run"]
+    assert got["info"]["status"] == "FINISHED"
+    tags = {t["key"]: t["value"] for t in got["data"]["tags"]}
+    assert int(tags["shoal.buffered_writes"]) > 0  # writes waited for the server to come back
+    history = mlflow_server.rest(
+        f"metrics/get-history?run_id={run_id}&metric_key=train/loss&max_results=1000"
+    )
+    assert sorted(int(m["step"]) for m in history["metrics"]) == list(range(1, STEPS + 1))
+    for key in ("val/accuracy", "time/step_s", "train/samples_per_s"):
+        assert client.get_metric_history(run_id, key), key
+    artifacts = {a.path for a in client.list_artifacts(run_id)} | {
+        a.path for a in client.list_artifacts(run_id, "plots")
+    }
+    assert {"events.json", "workload.yaml", "plots/training.png"} <= artifacts
+
+    listing = subprocess.run(
+        [sys.executable, "-m", "shoal.cli", "runs", "list", "--tracking-uri", mlflow_server.uri],
+        cwd=workdir, capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "250"},
+    )  # fmt: skip
+    assert listing.returncode == 0 and run_id in listing.stdout and "FINISHED" in listing.stdout
+    shown = subprocess.run(
+        [sys.executable, "-m", "shoal.cli", "runs", "show", "served", "--tracking-uri", mlflow_server.uri],
+        cwd=workdir, capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "250"},
+    )  # fmt: skip
+    assert (
+        shown.returncode == 0 and "attempt_started" in shown.stdout and "checkpoint-00000150" in shown.stdout
+    )
