@@ -95,6 +95,8 @@ class TerminalProgress:
 
 
 def browse_command(uri: str) -> str:
+    if uri.startswith(("http://", "https://")):
+        return f"open {uri} (or: shoal runs list --tracking-uri {uri})"
     cwd_db = "sqlite:///" + str(Path("mlflow.db").resolve())
     shown = "sqlite:///mlflow.db" if uri == cwd_db else uri
     return f"mlflow ui --backend-store-uri {shown}"

@@ -33,7 +33,7 @@ RETRY_EVERY_S = 5.0  # while the store is unreachable, how often buffered writes
 # shoal buffers and retries itself, so each call may fail fast. The user's settings win.
 FAST_FAIL_ENV = {
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
-    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "0.5",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
     "MLFLOW_HTTP_REQUEST_TIMEOUT": "30",
 }
 log = logging.getLogger("shoal")
