@@ -289,7 +289,7 @@ def cmd_plan(console: Console, args: argparse.Namespace) -> int:
         f"recommended: [bold]{choice.layout.strategy}[/] ({choice.layout.describe()}), micro-batch "
         f"{choice.micro} per data-parallel slot x accumulation {choice.accumulation}, "
         f"activation checkpointing {choice.activation_checkpointing}: "
-        f"{choice.estimate.peak / 1e9:.1f} GB per GPU"
+        f"{_gb(choice.estimate.peak)} per GPU"
     )
     console.print(precision_table(plan, loaded.workload))
     if args.write:

@@ -11,7 +11,7 @@ import torch
 
 from shoal.models import build_model
 from shoal.worker import checkpoint
-from shoal.worker.loop import accumulation_steps, global_batch_size, planned_steps
+from shoal.worker.batching import accumulation_steps, global_batch_size, planned_steps
 from shoal.worker.optim import build_optimizer, build_scheduler, lr_multiplier
 
 SCHEDULE = {"warmup_steps": 10, "decay": "cosine", "min_lr_ratio": 0.1}

@@ -210,7 +210,7 @@ def check_arguments(gpu_key: str, gpus: int, nodes: int, interconnect: str | Non
 def make_plan(
     workload: Workload, gpu_key: str, gpus: int, nodes: int = 1, interconnect: str | None = None
 ) -> Plan:
-    from shoal.worker.loop import global_batch_size
+    from shoal.worker.batching import global_batch_size
 
     link = check_arguments(gpu_key, gpus, nodes, interconnect)
     gpu = CATALOG[gpu_key]

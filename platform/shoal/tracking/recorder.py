@@ -84,7 +84,7 @@ class Recorder:
             self._event(event)
         self._log_steps(message["steps"])
         for trace in message.get("profiles", []):
-            self._trace(trace)
+            self._extra("the profiler trace", self._trace, trace)
         if message["checkpoint"]:
             self._checkpoint(message["checkpoint"], summary)
         if summary.get("fatal"):
@@ -181,6 +181,15 @@ class Recorder:
             {"kind": "profile", "time": time.time(), **{k: v for k, v in trace.items() if k != "data"}}
         )
 
+    @staticmethod
+    def _extra(what: str, action: Any, *args: Any) -> None:
+        """Extras (plots, traces, TensorBoard files) are written under the run directory;
+        failing to write them (a full disk) must not fail the run or lose its metrics."""
+        try:
+            action(*args)
+        except Exception as exc:
+            log.warning("could not write %s: %s: %s", what, type(exc).__name__, exc)
+
     def _plot(self) -> None:
         """The loss/throughput plot over the whole run (earlier drivers' steps included)."""
         if self.run_dir is None:
@@ -205,9 +214,9 @@ class Recorder:
                 "shoal.buffered_writes": self.run.buffered_total,
             }
         )
-        self._plot()
+        self._extra("the plot", self._plot)
         if self.tensorboard:
-            self.tensorboard.close()
+            self._extra("the TensorBoard files", self.tensorboard.close)
             self.run.log_artifact(str(self.tensorboard.logdir), "tensorboard")
         self.run.finish(status)
         if not self.run.flush_within(FLUSH_AT_END_S):

@@ -21,43 +21,23 @@ from typing import Any
 import torch
 
 from shoal.models.cost import batch_shapes, trace_cost
+from shoal.worker.batching import accumulation_steps, global_batch_size, planned_steps
 from shoal.worker.checkpoint import Position
 from shoal.worker.checkpointing import Checkpointer
 from shoal.worker.engine import Engine
-from shoal.worker.metrics import GpuReadings, PhaseClock, StragglerWatch, peak_memory_mb, worker_metrics
+from shoal.worker.metrics import (
+    GpuReadings,
+    PhaseClock,
+    StragglerWatch,
+    device_name,
+    peak_memory_mb,
+    worker_metrics,
+)
 from shoal.worker.profiling import ProfileWindow
 from shoal.worker.reporting import Reporter, StepStats
 from shoal.worker.runtime import HangWatchdog, SampleAudit, pick_device, seed_everything, write_pid_file
 from shoal.worker.steps import evaluate
 from shoal.worker.stream import StreamPlan, micro_batches
-
-
-def accumulation_steps(global_batch: int, micro: int, world: int) -> int:
-    if global_batch % (micro * world):
-        raise ValueError(
-            f"train.global_batch_size {global_batch} is not a multiple of "
-            f"data.batch_size {micro} x {world} workers: this world size cannot keep the global batch"
-        )
-    return global_batch // (micro * world)
-
-
-def global_batch_size(spec: dict[str, Any]) -> int:
-    """Rows per optimizer step, fixed for the whole run whatever the world size: the spec's
-    global_batch_size, or batch_size x the largest number of workers."""
-    configured = spec["train"]["global_batch_size"]
-    if configured is not None:
-        return configured
-    workers = spec["scaling"]["workers"]
-    return spec["data"]["batch_size"] * (workers["max"] if isinstance(workers, dict) else workers)
-
-
-def planned_steps(train: dict[str, Any], train_rows: int | None, global_batch: int) -> int:
-    """Optimizer steps the run will take: max_steps, or what `epochs` of data give."""
-    if train["max_steps"] is not None:
-        return train["max_steps"]
-    if not train_rows:
-        raise ValueError("train.epochs needs the training set's row count; use train.max_steps")
-    return max(1, train["epochs"] * (train_rows // global_batch))
 
 
 class Trainer:
@@ -409,10 +389,6 @@ class Trainer:
         self.watchdog.disarm()
         self.reporter.event("fatal", reason=reason, step=self.position.step)
         self.reporter.send(self._summary(fatal=reason))
-
-
-def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def train(config: dict[str, Any]) -> None:

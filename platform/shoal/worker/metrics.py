@@ -53,6 +53,10 @@ class PhaseClock:
         return taken
 
 
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
 def peak_memory_mb(device: torch.device) -> float:
     """CUDA: the most memory tensors have held; CPU: the process's peak resident set."""
     if device.type == "cuda":
