@@ -19,8 +19,8 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -q --durations=12 tests/unit tests/integration
-	$(BIN)/python -m pytest -q --durations=5 tests/system
+	$(BIN)/python -m pytest -q -rs --durations=12 tests/unit tests/integration
+	$(BIN)/python -m pytest -q -rs --durations=5 tests/system
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
