@@ -206,6 +206,8 @@ def _gb(value: float) -> str:
 
 
 def plan_table(plan: Any) -> Table:
+    from dataclasses import replace
+
     from shoal.plan.memory import estimate
 
     table = Table(
@@ -222,7 +224,8 @@ def plan_table(plan: Any) -> Table:
         if found is None:
             table.add_row(f"{option.layout.strategy} {option.layout.describe()}", *["-"] * 9, option.problem)
             continue
-        full = estimate(plan.cost, option.layout, training_of_plan(plan, "full"), option.micro)
+        checkpointed = replace(plan.training, activation_checkpointing="full")
+        full = estimate(plan.cost, option.layout, checkpointed, option.micro)
         chosen = option is plan.choice
         table.add_row(
             f"{'[bold]' if chosen else ''}{option.layout.strategy} {option.layout.describe()}",
@@ -261,12 +264,6 @@ def precision_table(plan: Any, workload: Any) -> Table:
         found = estimate(cost, option.layout, training, option.micro)
         table.add_row(precision, _gb(found.weights), _gb(found.activations), _gb(found.peak))
     return table
-
-
-def training_of_plan(plan: Any, mode: str) -> Any:
-    from dataclasses import replace
-
-    return replace(plan.training, activation_checkpointing=mode)
 
 
 def cmd_plan(console: Console, args: argparse.Namespace) -> int:

@@ -114,10 +114,14 @@ def test_fsdp_across_nodes_without_infiniband_is_flagged() -> None:
 
 def test_write_applies_the_choice_and_validates() -> None:
     w = big_gpt(32, 4096, 8)
+    w.parallel.strategy, w.parallel.tp, w.parallel.dp_shard = "hybrid", 2, 4  # replaced by the plan's
     plan = make_plan(w, "h200-141gb", 8)
+    assert plan.choice is not None and plan.choice.layout.tp == 1
     written = Workload.model_validate(with_values(w.resolved(), recommended_values(plan)))
     assert written.scaling.workers == 8 and written.scaling.gpus_per_worker == 1
     assert written.train.global_batch_size == w.train.global_batch_size
+    assert written.parallel.strategy == plan.choice.layout.strategy == "fsdp"
+    assert (written.parallel.tp, written.parallel.dp_shard) == (None, None)
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,35 +64,40 @@ class TerminalProgress:
         pass  # the summary at the end names the latest checkpoint
 
     def on_event(self, event: dict[str, Any]) -> None:
-        kind = event["kind"]
-        if kind == "attempt_started":
-            restored = event.get("restored_step")
-            where = f"resuming from step {restored}" if restored is not None else "from scratch"
-            workers, device = event["world_size"], event["device"]
-            self.console.print(
-                f"[cyan]attempt[/] on {workers} worker(s) ({device}), {where}; "
-                f"{event['parameters']:,} parameters, accumulation {event['accumulation']}"
-            )
-        elif kind == "failure":
-            ranks = ", ".join(f"rank {r}: {e.splitlines()[0][:160]}" for r, e in event["errors"].items())
-            self.console.print(
-                f"[yellow]worker failure[/] {ranks}; Ray Train restarts from the latest checkpoint"
-            )
-        elif kind == "fatal":
-            self.console.print(f"[red]fatal[/] {event['reason']}")
-        elif kind == "straggler":
-            self.console.print(
-                f"[yellow]straggler[/] worker rank {event['rank']} took {event['busy_s']:.3g} s of its own "
-                f"per step vs the others' median {event['median_s']:.3g} s for {event['steps']} steps "
-                f"(to step {event['step']})"
-            )
-        elif kind == "straggler_recovered":
-            self.console.print(f"[green]recovered[/] worker rank {event['rank']} (step {event['step']})")
-        elif kind == "profile":
-            self.console.print(
-                f"[cyan]profile[/] rank {event['rank']} steps {event['first_step']}-{event['last_step']}: "
-                f"MLflow artifact profiles/{event['name']}"
-            )
+        line = EVENT_LINES.get(event["kind"])
+        if line is not None:
+            self.console.print(line(event))
+
+
+def _attempt_line(event: dict[str, Any]) -> str:
+    restored = event.get("restored_step")
+    where = f"resuming from step {restored}" if restored is not None else "from scratch"
+    return (
+        f"[cyan]attempt[/] on {event['world_size']} worker(s) ({event['device']}), {where}; "
+        f"{event['parameters']:,} parameters, accumulation {event['accumulation']}"
+    )
+
+
+def _failure_line(event: dict[str, Any]) -> str:
+    ranks = ", ".join(f"rank {r}: {e.splitlines()[0][:160]}" for r, e in event["errors"].items())
+    return f"[yellow]worker failure[/] {ranks}; Ray Train restarts from the latest checkpoint"
+
+
+# One terminal line per notable event kind; the others (evaluations...) show in the bar.
+EVENT_LINES: dict[str, Callable[[dict[str, Any]], str]] = {
+    "attempt_started": _attempt_line,
+    "failure": _failure_line,
+    "fatal": lambda e: f"[red]fatal[/] {e['reason']}",
+    "straggler": lambda e: (
+        f"[yellow]straggler[/] worker rank {e['rank']} took {e['busy_s']:.3g} s of its own per step "
+        f"vs the others' median {e['median_s']:.3g} s for {e['steps']} steps (to step {e['step']})"
+    ),
+    "straggler_recovered": lambda e: f"[green]recovered[/] worker rank {e['rank']} (step {e['step']})",
+    "profile": lambda e: (
+        f"[cyan]profile[/] rank {e['rank']} steps {e['first_step']}-{e['last_step']}: "
+        f"MLflow artifact profiles/{e['name']}"
+    ),
+}
 
 
 def browse_command(uri: str) -> str:

@@ -182,11 +182,7 @@ def spec_problem(workload: Workload, values: dict[str, Any]) -> str | None:
     from shoal.spec.loader import Source
     from shoal.spec.sweep import with_values
 
-    resolved = with_values(workload.resolved(), {k: v for k, v in values.items() if v is not None})
-    for degree in ("tp", "pp", "dp_shard"):
-        if f"parallel.{degree}" in values and values[f"parallel.{degree}"] is None:
-            resolved["parallel"][degree] = None
-    candidate = Workload.model_validate(resolved)
+    candidate = Workload.model_validate(with_values(workload.resolved(), values))
     source = Source("plan")
     task, issues = check_model(candidate, source)
     issues += check_parallel(candidate, source, task) + check_batches(candidate, source)
@@ -237,19 +233,20 @@ def recommended_values(plan: Plan) -> dict[str, Any]:
 
 def option_values(option: Option, gpus: int, global_batch: int) -> dict[str, Any]:
     layout = option.layout
-    values: dict[str, Any] = {
+    return {
         "scaling.workers": gpus,
         "scaling.gpus_per_worker": 1,
         "data.batch_size": option.micro // (layout.tp * layout.pp),
         "train.global_batch_size": global_batch,
         "train.activation_checkpointing": option.activation_checkpointing,
         "parallel.strategy": layout.strategy,
+        # Every degree is set (None: the strategy decides), so that degrees the user's YAML
+        # had for another layout do not linger: only HSDP's shard size and TP/PP are explicit.
+        "parallel.dp_replicate": None,
+        "parallel.dp_shard": layout.dp_shard if layout.strategy == "hsdp" else None,
+        "parallel.tp": layout.tp if layout.tp > 1 else None,
+        "parallel.pp": layout.pp if layout.pp > 1 else None,
     }
-    for degree in ("tp", "pp"):
-        values[f"parallel.{degree}"] = getattr(layout, degree) if getattr(layout, degree) > 1 else None
-    if layout.strategy == "hsdp":
-        values["parallel.dp_shard"] = layout.dp_shard
-    return values
 
 
 def planned_yaml(source_file: str, overrides: list[str], plan: Plan) -> str:

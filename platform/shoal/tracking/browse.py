@@ -3,18 +3,20 @@ read through MLflow's client, so it works on a file store and on a tracking serv
 
 from __future__ import annotations
 
-import json
 import re
-import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from mlflow.entities import Run
-from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from shoal.tracking.mlflow_run import RUN_DIR_TAG, RUN_NAME_TAG, TrackingError
+from shoal.tracking.mlflow_run import (
+    RUN_DIR_TAG,
+    RUN_NAME_TAG,
+    TrackingError,
+    read_json_artifact,
+    tracking_errors,
+)
 
 RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 HEADLINE = ("train/loss", "val/loss", "val/accuracy", "train/samples_per_s", "perf/mfu")
@@ -48,24 +50,10 @@ def last_step(run: Run) -> int:
     return max((m.step for m in run.data._metric_objs if m.key == "train/loss"), default=0)
 
 
-def _client(uri: str) -> MlflowClient:
-    return MlflowClient(tracking_uri=uri)
-
-
-def _guarded(uri: str, action: Any) -> Any:
-    try:
-        return action()
-    except MlflowException as exc:
-        raise TrackingError(f"MLflow at '{uri}': {exc.message}") from None
-    except OSError as exc:
-        raise TrackingError(f"MLflow at '{uri}': {exc}") from None
-
-
 def list_runs(uri: str, experiment: str | None = None, limit: int = 50) -> list[tuple[Run, str]]:
     """shoal's runs (newest first) with their experiment names; one experiment or all."""
-
-    def query() -> list[tuple[Run, str]]:
-        client = _client(uri)
+    with tracking_errors(f"MLflow at '{uri}'"):
+        client = MlflowClient(tracking_uri=uri)
         if experiment is not None:
             found = client.get_experiment_by_name(experiment)
             if found is None:
@@ -80,8 +68,6 @@ def list_runs(uri: str, experiment: str | None = None, limit: int = 50) -> list[
         names = {e.experiment_id: e.name for e in experiments}
         runs = client.search_runs(list(names), order_by=["attributes.start_time DESC"], max_results=limit)
         return [(r, names[r.info.experiment_id]) for r in runs if _is_shoal(r)]
-
-    return _guarded(uri, query)
 
 
 def _is_shoal(run: Run) -> bool:
@@ -106,22 +92,12 @@ def find_run(client: MlflowClient, ref: str) -> Run:
     return found[0]
 
 
-def _events(client: MlflowClient, run_id: str) -> list[dict[str, Any]]:
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            return json.loads(Path(client.download_artifacts(run_id, "events.json", tmp)).read_text())
-    except (MlflowException, OSError, ValueError):
-        return []
-
-
 def run_details(uri: str, ref: str) -> RunDetails:
-    def query() -> RunDetails:
-        client = _client(uri)
+    with tracking_errors(f"MLflow at '{uri}'"):
+        client = MlflowClient(tracking_uri=uri)
         run = find_run(client, ref)
         experiment = client.get_experiment(run.info.experiment_id).name
-        return RunDetails(run, experiment, _events(client, run.info.run_id))
-
-    return _guarded(uri, query)
+        return RunDetails(run, experiment, read_json_artifact(client, run.info.run_id, "events.json") or [])
 
 
 def differing_params(runs: list[Run]) -> list[str]:

@@ -15,7 +15,8 @@ import subprocess
 import tempfile
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -107,13 +108,12 @@ class TrackedRun:
     pending: deque[Callable[[], None]] = field(default_factory=deque)
     retry_at: float = 0.0
     unreachable_since: float | None = None
-    buffered_total: int = 0  # writes that had to wait for the store, over the whole run
+    buffered_total: int = 0  # writes not taken on their first attempt, over this driver's run
 
     def _write(self, action: Callable[[], None]) -> None:
         self.pending.append(action)
-        if len(self.pending) > 1:
+        if not self.flush():  # writes go in order: this one, the last, is still waiting
             self.buffered_total += 1
-        self.flush()
 
     def flush(self, force: bool = False) -> bool:
         """Send buffered writes in order; True when none are left. While the store is
@@ -171,14 +171,30 @@ class TrackedRun:
 
     def read_json(self, name: str) -> Any:
         """An artifact written by `log_json`, or None when there is none."""
-        try:
-            with tempfile.TemporaryDirectory() as tmp:
-                return json.loads(Path(self.client.download_artifacts(self.run_id, name, tmp)).read_text())
-        except (MlflowException, OSError, ValueError):
-            return None
+        return read_json_artifact(self.client, self.run_id, name)
 
     def finish(self, status: str) -> None:
         self._write(lambda: self.client.set_terminated(self.run_id, status))
+
+
+@contextmanager
+def tracking_errors(where: str) -> Iterator[None]:
+    """MLflow's (and the OS's) errors as one TrackingError that names `where`."""
+    try:
+        yield
+    except MlflowException as exc:
+        raise TrackingError(f"{where}: {exc.message}") from None
+    except OSError as exc:
+        raise TrackingError(f"{where}: {exc}") from None
+
+
+def read_json_artifact(client: MlflowClient, run_id: str, name: str) -> Any:
+    """A JSON artifact of a run, or None when there is none (or it cannot be read)."""
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            return json.loads(Path(client.download_artifacts(run_id, name, tmp)).read_text())
+    except (MlflowException, OSError, ValueError):
+        return None
 
 
 def is_unreachable(exc: BaseException) -> bool:
@@ -237,7 +253,7 @@ def open_run(
     for key, value in FAST_FAIL_ENV.items():
         os.environ.setdefault(key, value)
     client = MlflowClient(tracking_uri=uri)
-    try:
+    with tracking_errors(f"MLflow at '{uri}'"):
         found = client.get_experiment_by_name(experiment)
         experiment_id = found.experiment_id if found else client.create_experiment(experiment)
         if run_id is None and resume:
@@ -260,10 +276,6 @@ def open_run(
         if run.params_changed:
             run.set_tags({"shoal.params_changed_on_resume": ",".join(run.params_changed)})
         client.log_text(run_id, spec_yaml, "workload.yaml")
-    except MlflowException as exc:
-        raise TrackingError(f"MLflow at '{uri}': {exc.message}") from None
-    except OSError as exc:
-        raise TrackingError(f"MLflow at '{uri}': {exc}") from None
     return run
 
 
@@ -281,7 +293,7 @@ class RecordedJob:
 
 def recorded_job(uri: str, run_id: str) -> RecordedJob:
     client = MlflowClient(tracking_uri=uri)
-    try:
+    with tracking_errors(f"MLflow run {run_id} at '{uri}'"):
         run = client.get_run(run_id)
         tags = run.data.tags
         if RUN_NAME_TAG not in tags or RUN_DIR_TAG not in tags:
@@ -291,10 +303,6 @@ def recorded_job(uri: str, run_id: str) -> RecordedJob:
         with tempfile.TemporaryDirectory() as tmp:
             path = client.download_artifacts(run_id, "workload.yaml", tmp)
             spec_yaml = Path(path).read_text()
-    except MlflowException as exc:
-        raise TrackingError(f"MLflow run {run_id} at '{uri}': {exc.message}") from None
-    except OSError as exc:
-        raise TrackingError(f"MLflow run {run_id} at '{uri}': {exc}") from None
     return RecordedJob(
         run_id, tags[RUN_NAME_TAG], tags[RUN_DIR_TAG], tags.get(CWD_TAG), spec_yaml, run.info.status
     )

@@ -52,7 +52,6 @@ class Recorder:
     ):
         self.run, self.observer, self.run_dir = run, observer, run_dir
         self.state = RunState()
-        self.series: dict[str, list[tuple[int, float]]] = {key: [] for key in PLOTTED}
         self.peak_flops: float | None = None  # of all the job's GPUs, when the catalog knows them
         self.tensorboard = TensorBoard(run_dir / "tensorboard") if tensorboard and run_dir else None
         self.logged_until = run.logged_until
@@ -114,9 +113,6 @@ class Recorder:
         if not rows:
             return
         self.run.log_metrics(rows)
-        for key, value, step, _ in rows:
-            if key in self.series:
-                self.series[key].append((step, value))
         if self.tensorboard:
             self.tensorboard.scalars(rows)
 
@@ -191,34 +187,28 @@ class Recorder:
             log.warning("could not write %s: %s: %s", what, type(exc).__name__, exc)
 
     def _plot(self) -> None:
-        """The loss/throughput plot over the whole run (earlier drivers' steps included)."""
+        """The loss/throughput plot over the whole run (earlier drivers' steps included), read
+        back from MLflow once every buffered write has been sent."""
         if self.run_dir is None:
             return
-        series = dict(self.series)
-        try:
-            for key in PLOTTED:
-                history = self.run.client.get_metric_history(self.run.run_id, key)
-                if history:
-                    series[key] = [(m.step, m.value) for m in history]
-        except Exception:  # the store is down: this driver's steps only
-            pass
+        history = {key: self.run.client.get_metric_history(self.run.run_id, key) for key in PLOTTED}
+        series = {key: [(m.step, m.value) for m in points] for key, points in history.items()}
         path = plot_run(series, self.run_dir.name, self.run_dir / "plots" / "training.png")
         if path is not None:
             self.run.log_artifact(str(path), "plots")
 
     def finish(self, status: str) -> int:
-        """Close the run; the number of writes MLflow never took (0 when all were sent)."""
-        self.run.set_tags(
-            {
-                "shoal.ended": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                "shoal.buffered_writes": self.run.buffered_total,
-            }
-        )
-        self._extra("the plot", self._plot)
+        """Close the run; the number of writes MLflow never took (0 when all were sent).
+        Waits up to FLUSH_AT_END_S for an unreachable store; without it, no plot."""
+        self.run.set_tags({"shoal.ended": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        reachable = self.run.flush_within(FLUSH_AT_END_S)
+        if reachable:
+            self._extra("the plot", self._plot)
         if self.tensorboard:
             self._extra("the TensorBoard files", self.tensorboard.close)
             self.run.log_artifact(str(self.tensorboard.logdir), "tensorboard")
+        self.run.set_tags({"shoal.buffered_writes": self.run.buffered_total})
         self.run.finish(status)
-        if not self.run.flush_within(FLUSH_AT_END_S):
+        if not self.run.flush_within(FLUSH_AT_END_S if reachable else 0):
             log.error("MLflow at %s: %d writes could not be sent", self.run.uri, len(self.run.pending))
         return len(self.run.pending)

@@ -66,12 +66,15 @@ def peak_memory_mb(device: torch.device) -> float:
 
 class GpuReadings:
     """Utilisation, memory, power and temperature of this worker's GPU through NVML
-    (nvidia-ml-py); no readings where there is no GPU or no NVML."""
+    (nvidia-ml-py); no readings where there is no GPU or no NVML. Read at most once per
+    `every_s` (the sensors themselves update about that often): steps in between repeat
+    the last reading rather than add four driver calls to every step."""
 
     FIELDS = ("utilization_pct", "memory_used_mb", "power_w", "temperature_c")
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, every_s: float = 1.0):
         self.handle = None
+        self.every_s, self.read_at, self.last = every_s, -float("inf"), {}
         if device.type != "cuda":
             return
         try:
@@ -89,15 +92,17 @@ class GpuReadings:
         return self.handle is not None
 
     def read(self) -> dict[str, float]:
-        if self.handle is None:
-            return {}
+        if self.handle is None or time.monotonic() - self.read_at < self.every_s:
+            return self.last
+        self.read_at = time.monotonic()
         nvml, handle = self.nvml, self.handle
-        return {
+        self.last = {
             "utilization_pct": float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu),
             "memory_used_mb": nvml.nvmlDeviceGetMemoryInfo(handle).used / 2**20,
             "power_w": nvml.nvmlDeviceGetPowerUsage(handle) / 1000,
             "temperature_c": float(nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU)),
         }
+        return self.last
 
 
 class StragglerWatch:

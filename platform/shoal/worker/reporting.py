@@ -22,7 +22,6 @@ class StepStats:
 
     def __init__(self, world_size: int, interval_s: float, rank: int):
         self.world_size, self.interval_s, self.rank = world_size, interval_s, rank
-        self.is_rank0 = rank == 0
         self.last_report = time.monotonic()
 
     def reduce(
@@ -35,7 +34,7 @@ class StepStats:
         """Mean loss over the ranks that have one (pipeline stages before the last have none),
         whether a report is due, whether every rank has written its pending checkpoint, and
         each of `per_rank`'s values as a list over the ranks (every rank passes the same keys)."""
-        due = self.is_rank0 and time.monotonic() - self.last_report >= self.interval_s
+        due = self.rank == 0 and time.monotonic() - self.last_report >= self.interval_s
         flags = [1.0 if due else 0.0, 1.0 if written else 0.0]
         names = sorted(per_rank or {})
         slots = torch.zeros(len(names) * self.world_size, dtype=torch.float64)
