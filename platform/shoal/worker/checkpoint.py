@@ -130,7 +130,9 @@ def save(
 def seal(directory: Path, rank: int) -> None:
     """Record size and CRC32 of every file this rank wrote: a checkpoint is complete only
     when every rank's manifest is present and matches (see `verify`)."""
-    written = [p for p in sorted(directory.iterdir()) if not p.name.startswith("manifest")]
+    # Other ranks' manifests (and the temporary files they are written through) are theirs:
+    # one may be renamed away while this rank lists the directory.
+    written = [p for p in sorted(directory.iterdir()) if not p.name.startswith(("manifest", ".manifest"))]
     files = {p.name: _fingerprint(p) for p in written}
     tmp = directory / f".manifest-rank{rank}.tmp"
     tmp.write_text(json.dumps({"rank": rank, "files": files}))
