@@ -32,7 +32,7 @@ clean:
 	rm -rf $(VENV) shoal_runs mlflow.db mlruns .pytest_cache
 
 bench: $(STAMP)
-	$(BIN)/python bench/run.py --repeats 3
+	PYTHONPATH=. $(BIN)/python bench/run.py --repeats 3
 
 bench-recovery: $(STAMP)
-	$(BIN)/python bench/recovery.py --repeats 2
+	PYTHONPATH=. $(BIN)/python bench/recovery.py --repeats 2

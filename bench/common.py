@@ -47,6 +47,11 @@ def train_step(model, optimizer, tokens, autocast):  # noqa: ANN001, ANN201 (pla
     return loss.detach()
 
 
+def steady_window(step_ends: list[float]) -> dict[str, float]:
+    """The wall-clock span that steady_tokens_per_s measures (for the CPU profile)."""
+    return {"steady_from": step_ends[WARMUP_STEPS], "steady_to": step_ends[-1]}
+
+
 def write_result(path: str | None, **fields: float) -> None:
     if path:
         Path(path).write_text(json.dumps(fields))

@@ -24,6 +24,7 @@ from bench.common import (
     data_dir,
     process_start,
     steady_tokens_per_s,
+    steady_window,
     train_step,
     write_result,
 )
@@ -50,6 +51,7 @@ def train_fn(config: dict) -> None:
             tokens_per_s=steady_tokens_per_s(step_ends, tokens_per_step),
             first_step_s=step_ends[0] - config["start"],
             final_loss=loss.item(),
+            **steady_window(step_ends),
         )
 
 

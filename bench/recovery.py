@@ -26,13 +26,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.run import machine  # noqa: E402
+from bench.report import RECOVERY_SECTION as SECTION  # noqa: E402
+from bench.report import machine, summarise  # noqa: E402
 from tests.integration.helpers import registered, shoal_cli, wait_for, worker_pid  # noqa: E402
 from tests.system.conftest import FAST_NODE_FAILURE  # noqa: E402
 
 BIG_GPT = "{n_layers: 12, d_model: 576, n_heads: 8, vocab_size: 256, seq_len: 128, tie_embeddings: true}"
 STALL_STEPS, STALL_EVERY, ROWS_PER_STEP = 24, 4, 4
-SECTION = "## Checkpoints and recovery"
 
 
 def shoal(args: list[str], cwd: Path, wait: bool = True, **env: str) -> subprocess.Popen:
@@ -136,10 +136,6 @@ def node_loss_recovery(workdir: Path, tag: str) -> float:
         return first_step_after(run_dir, removed_at)
     finally:
         cluster.shutdown()
-
-
-def summarise(values: list[float]) -> str:
-    return f"{statistics.median(values):.3g} ({min(values):.3g}-{max(values):.3g})"
 
 
 def stalls(steps: dict[int, float], baseline: dict[int, float]) -> tuple[float, float]:

@@ -24,6 +24,7 @@ from bench.common import (
     data_dir,
     process_start,
     steady_tokens_per_s,
+    steady_window,
     train_step,
     write_result,
 )
@@ -64,6 +65,7 @@ def main() -> None:
             tokens_per_s=steady_tokens_per_s(step_ends, tokens_per_step),
             first_step_s=first_step_at - process_start(),
             final_loss=loss.item(),
+            **steady_window(step_ends),
         )
     dist.destroy_process_group()
 

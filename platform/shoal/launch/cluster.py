@@ -105,7 +105,11 @@ def ray_session(
             raise ClusterError(f"cannot attach to Ray at '{address}': {exc}") from None
         started = False
     else:
-        pinned = _pinned_address() if dashboard else {}
+        pinned = (
+            _pinned_address()
+            if dashboard
+            else {k: v for k, v in LEAN_LOCAL_RAY.items() if k not in os.environ}
+        )
         os.environ.update(pinned)
         try:
             ray.init(address="local", num_cpus=local_cpus(cpus_wanted), include_dashboard=dashboard, **common)
@@ -120,6 +124,11 @@ def ray_session(
     finally:
         ray.shutdown()
         _unpin(pinned)
+
+
+# Without a dashboard nothing reads Ray's own metrics, yet every Ray process would keep
+# recording and exporting them: about 1% of the training throughput on 2 cores (BENCHMARKS.md).
+LEAN_LOCAL_RAY = {"RAY_enable_metrics_collection": "false"}
 
 
 def _pinned_address() -> dict[str, str]:

@@ -32,6 +32,7 @@ class TerminalProgress:
             TimeRemainingColumn(),
             console=console,
             transient=False,
+            refresh_per_second=1,  # reports come every few seconds; rich's 10/s would take CPU from training
         )
         self.task = self.progress.add_task("starting", total=None, loss="-", speed="")
 

@@ -19,7 +19,7 @@ from shoal.launch.retention import BestKeeper
 from shoal.launch.storage import Storage, open_storage, probe
 from shoal.spec import LoadedWorkload
 from shoal.tracking import Observer, Recorder, open_run, resolve_uri
-from shoal.tracking.mlflow_run import CWD_TAG, git_commit
+from shoal.tracking.mlflow_run import CWD_TAG, RETRY_EVERY_S, git_commit
 
 log = logging.getLogger("shoal")
 REPORT_INTERVAL_S = 3.0
@@ -59,6 +59,9 @@ class RunResult:
         return self.status == "FINISHED"
 
 
+STOP = "shoal.stop"  # the message that ends a Drainer
+
+
 class Drainer(threading.Thread):
     """Moves messages from the controller's queue into the Recorder, on the driver."""
 
@@ -73,16 +76,21 @@ class Drainer(threading.Thread):
 
         while not self.stopping.is_set():
             try:
-                message = self.queue.get(block=True, timeout=0.5)
+                # Long waits: each wake is a call into the queue actor, CPU taken from training.
+                message = self.queue.get(block=True, timeout=RETRY_EVERY_S)
             except Empty:
                 self.recorder.run.flush()  # retries buffered writes while MLflow is away
                 continue
             except Exception:  # the queue actor went away with the cluster
                 log.exception("lost the report queue")
                 return
+            if message.get("type") == STOP:
+                return
             self._handle(message)
 
     def _handle(self, message: dict[str, Any]) -> None:
+        if message.get("type") == STOP:
+            return
         try:
             self.recorder.handle(message)
             if self.keeper and message.get("checkpoint"):
@@ -93,7 +101,12 @@ class Drainer(threading.Thread):
             log.exception("could not record a report in MLflow")
 
     def finish(self) -> None:
+        """Record everything reported so far, then stop."""
         self.stopping.set()
+        try:
+            self.queue.put({"type": STOP})  # behind every report already queued: wakes the wait
+        except Exception:  # the queue actor is gone: the wait ends with an error instead
+            log.debug("report queue gone at finish", exc_info=True)
         self.join()
         try:
             remaining = self.queue.size()
