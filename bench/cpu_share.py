@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 TICKS_PER_S = os.sysconf("SC_CLK_TCK")
-Snapshot = dict[int, tuple[int, str]]  # pid -> (user + system ticks, name)
+Snapshot = dict[int, tuple[int, str, int]]  # pid -> (user + system ticks, name, start time in ticks)
 
 
 def _name(pid: int, comm: str) -> str:
@@ -26,7 +26,7 @@ def _name(pid: int, comm: str) -> str:
         return comm
     words = [a.decode(errors="replace").strip() for a in argv if a.strip()]
     if not words:
-        return comm  # a kernel thread
+        return "kernel threads"  # their names (kworker/0:2-events...) change as they work
     if words[0].startswith("ray::"):
         return words[0]
     script = next((w for w in words[1:] if w.endswith(".py") or "/bin/" in w), words[0])
@@ -43,7 +43,7 @@ def snapshot() -> Snapshot:
         except OSError:
             continue
         comm, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
-        taken[int(entry)] = (int(rest[11]) + int(rest[12]), _name(int(entry), comm))
+        taken[int(entry)] = (int(rest[11]) + int(rest[12]), _name(int(entry), comm), int(rest[19]))
     return taken
 
 
@@ -77,10 +77,11 @@ class CpuSampler:
             return {}
         (t0, first), (t1, last) = inside[0], inside[-1]
         used: dict[str, float] = {}
-        for pid, (ticks, name) in last.items():
+        for pid, (ticks, name, start) in last.items():
             if pid == os.getpid():
                 continue  # the bench runner itself (this sampler)
-            before = first.get(pid, (0, name))[0] if first.get(pid, (0, name))[1] == name else 0
+            earlier = first.get(pid)
+            before = earlier[0] if earlier and earlier[2] == start else 0  # else a new process
             if ticks > before:
                 used[name] = used.get(name, 0.0) + (ticks - before) / TICKS_PER_S / (t1 - t0)
         return used

@@ -9,17 +9,17 @@ from bench.report import render, verdict
 def test_shares_count_each_process_over_the_window_only():
     sampler = CpuSampler()
     sampler.taken = [
-        (0.0, {1: (0, "ray::RayTrainWorker"), 2: (0, "gcs_server")}),
-        (10.0, {1: (5 * TICKS_PER_S, "ray::RayTrainWorker"), 2: (1 * TICKS_PER_S, "gcs_server")}),
+        (0.0, {1: (0, "ray::RayTrainWorker", 1), 2: (0, "gcs_server", 1)}),
+        (10.0, {1: (5 * TICKS_PER_S, "ray::RayTrainWorker", 1), 2: (1 * TICKS_PER_S, "gcs_server", 1)}),
         (
             20.0,
             {
-                1: (14 * TICKS_PER_S, "ray::RayTrainWorker"),
-                2: (2 * TICKS_PER_S, "gcs_server"),
-                3: (3 * TICKS_PER_S, "ray::IDLE"),
+                1: (14 * TICKS_PER_S, "ray::RayTrainWorker", 1),
+                2: (2 * TICKS_PER_S, "gcs_server", 1),
+                3: (3 * TICKS_PER_S, "ray::IDLE", 1),
             },
         ),
-        (30.0, {1: (30 * TICKS_PER_S, "ray::RayTrainWorker")}),
+        (30.0, {1: (30 * TICKS_PER_S, "ray::RayTrainWorker", 1)}),
     ]
     shares = sampler.shares(5.0, 25.0)  # the snapshots at 10 s and 20 s
     assert shares == {"ray::RayTrainWorker": 0.9, "gcs_server": 0.1, "ray::IDLE": 0.3}
@@ -31,8 +31,8 @@ def test_shares_count_each_process_over_the_window_only():
 def test_a_reused_pid_starts_from_zero():
     sampler = CpuSampler()
     sampler.taken = [
-        (0.0, {7: (50 * TICKS_PER_S, "ray::IDLE")}),
-        (10.0, {7: (2 * TICKS_PER_S, "torchrun_ddp.py")}),
+        (0.0, {7: (50 * TICKS_PER_S, "ray::IDLE", 1)}),
+        (10.0, {7: (2 * TICKS_PER_S, "torchrun_ddp.py", 900)}),
     ]
     assert sampler.shares(0.0, 10.0) == {"torchrun_ddp.py": 0.2}
 
