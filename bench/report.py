@@ -22,6 +22,7 @@ SHOWN = {
     "shoal-3-nodes": "`PYTHONPATH=. .venv/bin/python bench/multinode.py --precision fp32`",
     "data": "`PYTHONPATH=. .venv/bin/python bench/data_pipeline.py`",
 }
+FP32_SHOAL = SHOWN["shoal"].replace("=P`", "=fp32`")
 
 
 def fmt(value: float) -> str:
@@ -161,10 +162,10 @@ def data_pipeline(fp32: dict[str, list[dict]]) -> list[str]:
         "| figure | median (min-max) | command |",
         "| --- | --- | --- |",
         f"| pipeline rows/s, one consumer | {summarise(produced)} | {SHOWN['data']} |",
-        f"| rows/s trained on per worker | {summarise(consumed)} | {SHOWN['shoal']} |",
+        f"| rows/s trained on per worker | {summarise(consumed)} | {FP32_SHOAL} |",
         f"| headroom (pipeline / consumption) | {summarise(headroom)} | both |",
         f"| data-wait share of step time, shoal fp32 (%; target < {100 * TARGET_DATA_WAIT:.0f}) | "
-        f"{summarise(wait)} | {SHOWN['shoal']} |",
+        f"{summarise(wait)} | {FP32_SHOAL} |",
         "",
     ]
 
@@ -181,7 +182,7 @@ def scaling(fp32: dict[str, list[dict]]) -> list[str]:
         f"| 1 worker, 1 node | {summarise([r['tokens_per_s'] for r in one])} | "
         f"{summarise([r['first_step_s'] for r in one])} | {SHOWN['shoal-1-worker']} |",
         f"| 2 workers, 1 node | {summarise([r['tokens_per_s'] for r in two])} | "
-        f"{summarise([r['first_step_s'] for r in two])} | {SHOWN['shoal']} |",
+        f"{summarise([r['first_step_s'] for r in two])} | {FP32_SHOAL} |",
         f"| 2 workers, 3 simulated nodes | {summarise([r['tokens_per_s'] for r in nodes])} | "
         f"{summarise([r['first_step_s'] for r in nodes])} | {SHOWN['shoal-3-nodes']} |",
         "",
