@@ -32,7 +32,7 @@ clean:
 	rm -rf $(VENV) shoal_runs mlflow.db mlruns .pytest_cache
 
 bench: $(STAMP)
-	PYTHONPATH=. $(BIN)/python bench/run.py --repeats 3
+	$(BIN)/python bench/run.py --repeats 3
 
 bench-recovery: $(STAMP)
-	PYTHONPATH=. $(BIN)/python bench/recovery.py --repeats 2
+	$(BIN)/python bench/recovery.py --repeats 2

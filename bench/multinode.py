@@ -17,9 +17,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from shoal.launch.cluster import lean_ray_env
+
 REPO = Path(__file__).resolve().parents[1]
-# As on the single-node cluster that `shoal run` starts itself (launch/cluster.py).
-LEAN_ENV = {"RAY_enable_metrics_collection": "false"}
 
 
 @contextmanager
@@ -27,8 +27,8 @@ def three_node_cluster() -> Iterator[str]:
     """A head without CPUs and two 1-CPU worker nodes; yields the address to attach to."""
     from ray.cluster_utils import Cluster
 
-    saved = {key: os.environ.get(key) for key in LEAN_ENV}
-    os.environ.update(LEAN_ENV)  # inherited by every node's processes
+    lean = lean_ray_env()  # as on the one-node Ray that `shoal run` starts itself
+    os.environ.update(lean)  # inherited by every node's processes
     cluster = Cluster(
         initialize_head=True,
         connect=False,
@@ -41,11 +41,8 @@ def three_node_cluster() -> Iterator[str]:
         yield cluster.address
     finally:
         cluster.shutdown()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        for key in lean:
+            os.environ.pop(key, None)
 
 
 def main() -> None:

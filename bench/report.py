@@ -19,7 +19,7 @@ SHOWN = {
     "ray": "`PYTHONPATH=. .venv/bin/python bench/ray_train_bare.py --precision P`",
     "shoal": "`.venv/bin/shoal run bench/gpt_bench.yaml --set train.precision=P`",
     "shoal-1-worker": "`.venv/bin/shoal run bench/gpt_bench.yaml --set scaling.workers=1`",
-    "shoal-3-nodes": "`PYTHONPATH=. .venv/bin/python bench/multinode.py --precision fp32`",
+    "shoal-3-nodes": "`.venv/bin/python bench/multinode.py --precision fp32`",
     "data": "`PYTHONPATH=. .venv/bin/python bench/data_pipeline.py`",
 }
 FP32_SHOAL = SHOWN["shoal"].replace("=P`", "=fp32`")
@@ -192,7 +192,8 @@ def scaling(fp32: dict[str, list[dict]]) -> list[str]:
         "The three nodes (`ray.cluster_utils.Cluster`, bench/multinode.py) are a head with no CPUs and two "
         "1-CPU nodes, one training worker each, all on this machine: the same work, with three raylets, "
         "cross-node object transfers and remote actor calls; the cluster is up before the clock starts. "
-        "On 2 cores, 1 worker vs 2 shows the cost of DDP's all-reduce more than any speed-up.",
+        "On 2 cores both settings use both cores: 1 worker through 2 torch threads, 2 workers "
+        "through 1 thread each plus DDP's all-reduce.",
         "",
         gpu_line(),
         "",

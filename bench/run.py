@@ -19,13 +19,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.cpu_share import CpuSampler
-from bench.multinode import three_node_cluster
-from bench.report import RECOVERY_SECTION, machine, render
-
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.common import WARMUP_STEPS  # noqa: E402
+from bench.cpu_share import CpuSampler  # noqa: E402
+from bench.multinode import three_node_cluster  # noqa: E402
+from bench.report import RECOVERY_SECTION, machine, render  # noqa: E402
+
 BIN = Path(sys.executable).parent
-WARMUP_STEPS = 5
 
 
 def commands(precision: str, steps: int, out: Path, address: str = "") -> dict[str, list[str]]:

@@ -84,9 +84,7 @@ class Drainer(threading.Thread):
             except Exception:  # the queue actor went away with the cluster
                 log.exception("lost the report queue")
                 return
-            if message.get("type") == STOP:
-                return
-            self._handle(message)
+            self._handle(message)  # a STOP is ignored; `stopping` then ends the loop
 
     def _handle(self, message: dict[str, Any]) -> None:
         if message.get("type") == STOP:
