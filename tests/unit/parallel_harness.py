@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,19 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from shoal.spec.schema import Workload
+
 STEPS, GLOBAL_BATCH, SEQ = 3, 8, 16
+
+
+@dataclass
+class Case:
+    """One harness run: a workload (built through the schema), the accumulation steps of
+    each rank, and optionally a checkpoint to write after training or load instead."""
+
+    workload: Workload
+    accumulation: int = 1
+    checkpoint_io: dict[str, str] | None = None  # {"mode": "save" | "load", "dir": ...}
 
 
 def gpt_spec(
@@ -26,41 +39,32 @@ def gpt_spec(
     accumulation: int = 1,
     activation_checkpointing: str = "none",
     compile_model: bool = False,
-) -> dict[str, Any]:
-    return {
-        "model": {
-            "family": "gpt",
-            "args": {"n_layers": 4, "d_model": 32, "n_heads": 4, "seq_len": SEQ, "tie_embeddings": False},
-        },
-        "train": {
-            "seed": 3,
-            "precision": precision,
-            "activation_checkpointing": activation_checkpointing,
-            "compile": compile_model,
-            "clip_grad_norm": 1.0,
-            # SGD with momentum: sharded optimizer state, without Adam's amplification of
-            # float-level noise in near-zero gradients (which would blur the comparison).
-            "optimizer": {
-                "name": "sgd",
-                "lr": 0.5,
-                "weight_decay": 0.1,
-                "betas": [0.9, 0.99],
-                "momentum": 0.9,
+) -> Case:
+    workload = Workload.model_validate(
+        {
+            "name": "harness",
+            "model": {
+                "family": "gpt",
+                "args": {"n_layers": 4, "d_model": 32, "n_heads": 4, "seq_len": SEQ, "tie_embeddings": False},
             },
-            "schedule": {"warmup_steps": 1, "decay": "cosine", "min_lr_ratio": 0.1},
-            "accumulation": accumulation,
-        },
-        "parallel": {
-            "strategy": None,
-            "dp_replicate": None,
-            "dp_shard": None,
-            "tp": None,
-            "pp": None,
-            "pp_schedule": "1f1b",
-            "microbatches": None,
-            **parallel,
-        },
-    }
+            "data": {"builtin": "pytext"},  # not read: the harness makes its own batches
+            "train": {
+                "max_steps": STEPS,
+                "global_batch_size": GLOBAL_BATCH,
+                "seed": 3,
+                "precision": precision,
+                "activation_checkpointing": activation_checkpointing,
+                "compile": compile_model,
+                "clip_grad_norm": 1.0,
+                # SGD with momentum: sharded optimizer state, without Adam's amplification of
+                # float-level noise in near-zero gradients (which would blur the comparison).
+                "optimizer": {"name": "sgd", "lr": 0.5, "weight_decay": 0.1, "momentum": 0.9},
+                "schedule": {"warmup_steps": 1, "decay": "cosine", "min_lr_ratio": 0.1},
+            },
+            "parallel": parallel,
+        }
+    )
+    return Case(workload, accumulation)
 
 
 def global_batches() -> list[torch.Tensor]:
@@ -85,14 +89,14 @@ def _my_rows(batch: torch.Tensor, slot: int, slots: int, member: int, members: i
     return mine[member * part : (member + 1) * part]
 
 
-def run_rank(rank: int, world: int, port: int, spec: dict[str, Any], out_dir: str) -> None:
+def run_rank(rank: int, world: int, port: int, case: Case, out_dir: str) -> None:
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
         get_optimizer_state_dict,
     )
 
-    from shoal.worker import checkpoint
+    from shoal.worker.checkpoint import format as checkpoint_format
     from shoal.worker.engine import Engine
     from shoal.worker.parallel.dims import local_numel
     from shoal.worker.reporting import StepStats
@@ -101,9 +105,9 @@ def run_rank(rank: int, world: int, port: int, spec: dict[str, Any], out_dir: st
     if world > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world)
-    accumulation = spec["train"]["accumulation"]
+    accumulation = case.accumulation
     engine = Engine(
-        spec,
+        case.workload,
         "lm",
         world,
         torch.device("cpu"),
@@ -114,9 +118,9 @@ def run_rank(rank: int, world: int, port: int, spec: dict[str, Any], out_dir: st
     stats = StepStats(world, interval_s=1e9, rank=rank)
     slot, slots, member, members = _slot_of(engine, rank)
     losses = []
-    io = spec.get("checkpoint_io", {})
+    io = case.checkpoint_io or {}
     if io.get("mode") == "load":  # resharding: a checkpoint written at another world size
-        checkpoint.restore(Path(io["dir"]), engine.parts, engine.optimizers, engine.schedulers, rank)
+        checkpoint_format.restore(Path(io["dir"]), engine.parts, engine.optimizers, engine.schedulers, rank)
     else:
         for batch in global_batches():
             rows = _my_rows(batch, slot, slots, member, members)
@@ -125,7 +129,7 @@ def run_rank(rank: int, world: int, port: int, spec: dict[str, Any], out_dir: st
             losses.append(stats.reduce(loss, weight)[0])
     if io.get("mode") == "save":
         state = {"world_size": world, "scheduler": engine.schedulers[0].state_dict()} if rank == 0 else None
-        checkpoint.save(Path(io["dir"]), engine.parts, engine.optimizers, rank, state)
+        checkpoint_format.save(Path(io["dir"]), engine.parts, engine.optimizers, rank, state)
     full = StateDictOptions(full_state_dict=True)
     weights, optim = {}, {}
     flat_full = StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)
@@ -164,14 +168,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run(spec: dict[str, Any], world: int, out_dir: Path) -> list[dict[str, Any]]:
+def run(case: Case, world: int, out_dir: Path) -> list[dict[str, Any]]:
     out_dir.mkdir(parents=True, exist_ok=True)
     if world == 1:
-        run_rank(0, 1, 0, spec, str(out_dir))
+        run_rank(0, 1, 0, case, str(out_dir))
     else:
         mp.start_processes(
             run_rank,
-            args=(world, free_port(), spec, str(out_dir)),
+            args=(world, free_port(), case, str(out_dir)),
             nprocs=world,
             start_method="spawn",
             join=True,

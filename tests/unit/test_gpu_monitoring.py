@@ -43,7 +43,7 @@ def test_plan_estimate_within_25_percent_on_gpu(precision: str) -> None:
         }
     )
     device = torch.device("cuda", 0)
-    engine = Engine(w.resolved(), "lm", 1, device, total_steps=10, accumulation=1)
+    engine = Engine(w, "lm", 1, device, total_steps=10, accumulation=1)
     batch = {"tokens": torch.randint(0, 256, (16, 513), device=device)}
     torch.cuda.reset_peak_memory_stats(device)
     for _ in range(3):

@@ -85,7 +85,7 @@ def test_fsdp_keeps_one_nth_per_rank(world: int, tmp_path: Path) -> None:
 def test_the_comparison_detects_a_different_step(reference: dict, tmp_path: Path) -> None:
     """Negative control: 2% more learning rate must show far beyond the fp32 tolerance."""
     spec = gpt_spec({"strategy": "ddp"})
-    spec["train"]["optimizer"]["lr"] *= 1.02
+    spec.workload.train.optimizer.lr *= 1.02
     difference = max_weight_difference(run(spec, 2, tmp_path), reference)
     print(f"lr x 1.02: max |weight - reference| = {difference:.2e}")
     assert difference > 100 * FP32_WEIGHTS

@@ -35,9 +35,8 @@ def synthetic_batch(w: Workload, rows: int) -> dict[str, torch.Tensor]:
 def measured_peak(w: Workload) -> float:
     """Peak bytes of tensors during three real optimizer steps (the first one has no optimizer
     state yet), as torch's MemTracker counts them."""
-    spec = w.resolved()
     task = "lm" if w.model.family == "gpt" else "classify"
-    engine = Engine(spec, task, 1, torch.device("cpu"), total_steps=10, accumulation=1)
+    engine = Engine(w, task, 1, torch.device("cpu"), total_steps=10, accumulation=1)
     batch = synthetic_batch(w, w.data.batch_size)
     tracker = MemTracker()
     tracker.track_external(*engine.parts, *engine.optimizers)

@@ -6,12 +6,13 @@ shoal's checkpoint module; 1 and 3 ranks load it and gather the full state back.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from shoal.worker import checkpoint
+from shoal.worker.checkpoint import format as checkpoint_format
 from tests.unit.parallel_harness import gpt_spec, run
 
 
@@ -20,13 +21,13 @@ def test_checkpoint_from_two_ranks_loads_on_one_and_three(strategy: str, tmp_pat
     saved_dir = tmp_path / "ckpt"
     saved_dir.mkdir()
     spec = gpt_spec({"strategy": strategy})
-    saver = run({**spec, "checkpoint_io": {"mode": "save", "dir": str(saved_dir)}}, 2, tmp_path / "saver")[0]
-    assert checkpoint.verify(saved_dir) is None  # both ranks sealed their shards
+    saving = replace(spec, checkpoint_io={"mode": "save", "dir": str(saved_dir)})
+    saver = run(saving, 2, tmp_path / "saver")[0]
+    assert checkpoint_format.verify(saved_dir) is None  # both ranks sealed their shards
     assert any(torch.is_tensor(v) and "momentum_buffer" in k for k, v in saver["optim"].items())
     for world in (1, 3):
-        loaded = run(
-            {**spec, "checkpoint_io": {"mode": "load", "dir": str(saved_dir)}}, world, tmp_path / f"m{world}"
-        )
+        loading = replace(spec, checkpoint_io={"mode": "load", "dir": str(saved_dir)})
+        loaded = run(loading, world, tmp_path / f"m{world}")
         for rank_state in loaded:
             assert rank_state["weights"].keys() == saver["weights"].keys()
             for name, tensor in saver["weights"].items():

@@ -6,7 +6,7 @@ from collections import Counter
 
 import torch
 
-from shoal.worker.checkpoint import Position
+from shoal.worker.checkpoint.state import Position
 from shoal.worker.stream import StreamPlan, micro_batches
 
 ROWS, MICRO, PER_STEP = 100, 4, 6  # 24 rows per optimizer step: 4 whole steps an epoch, 4 rows left over

@@ -10,18 +10,13 @@ import pytest
 import torch
 
 from shoal.models import build_model
-from shoal.worker import checkpoint
+from shoal.spec.schema import OptimizerSpec, ScheduleSpec, TrainSpec, Workload
 from shoal.worker.batching import accumulation_steps, global_batch_size, planned_steps
+from shoal.worker.checkpoint import format as checkpoint
 from shoal.worker.optim import build_optimizer, build_scheduler, lr_multiplier
 
-SCHEDULE = {"warmup_steps": 10, "decay": "cosine", "min_lr_ratio": 0.1}
-OPTIMIZER = {
-    "name": "adamw",
-    "lr": 1e-2,
-    "weight_decay": 0.1,
-    "betas": [0.9, 0.99],
-    "momentum": 0.9,
-}
+SCHEDULE = ScheduleSpec(warmup_steps=10, decay="cosine", min_lr_ratio=0.1)
+OPTIMIZER = OptimizerSpec(name="adamw", lr=1e-2, weight_decay=0.1, betas=(0.9, 0.99), momentum=0.9)
 
 
 def test_warmup_then_cosine_to_the_floor() -> None:
@@ -34,9 +29,9 @@ def test_warmup_then_cosine_to_the_floor() -> None:
 
 
 def test_linear_and_constant_decay() -> None:
-    linear = {**SCHEDULE, "decay": "linear", "warmup_steps": 0}
+    linear = SCHEDULE.model_copy(update={"decay": "linear", "warmup_steps": 0})
     assert lr_multiplier(50, 100, linear) == pytest.approx(0.55)
-    assert lr_multiplier(77, 100, {**SCHEDULE, "decay": "constant"}) == 1.0
+    assert lr_multiplier(77, 100, SCHEDULE.model_copy(update={"decay": "constant"})) == 1.0
 
 
 def test_accumulation_keeps_the_global_batch() -> None:
@@ -47,20 +42,29 @@ def test_accumulation_keeps_the_global_batch() -> None:
         accumulation_steps(384, 64, 4)
 
 
+def _workload(workers: object, global_batch: int | None = None) -> Workload:
+    return Workload.model_validate(
+        {
+            "name": "batching",
+            "model": {"family": "mlp"},
+            "data": {"builtin": "digits", "batch_size": 16},
+            "train": {"max_steps": 10, "global_batch_size": global_batch},
+            "scaling": {"workers": workers},
+        }
+    )
+
+
 def test_global_batch_defaults_to_the_largest_world() -> None:
-    spec = {"train": {"global_batch_size": None}, "data": {"batch_size": 16}, "scaling": {"workers": 2}}
-    assert global_batch_size(spec) == 32
-    spec["scaling"]["workers"] = {"min": 1, "max": 4}
-    assert global_batch_size(spec) == 64
-    spec["train"]["global_batch_size"] = 96
-    assert global_batch_size(spec) == 96
+    assert global_batch_size(_workload(2)) == 32
+    assert global_batch_size(_workload({"min": 1, "max": 4})) == 64
+    assert global_batch_size(_workload({"min": 1, "max": 4}, global_batch=96)) == 96
 
 
 def test_planned_steps_from_epochs() -> None:
-    train = {"max_steps": None, "epochs": 3, "global_batch_size": 256}
+    train = TrainSpec(epochs=3, global_batch_size=256)
     # 1437 rows -> 5 whole global batches of 256 per epoch (the short tail is dropped)
     assert planned_steps(train, 1437, 256) == 15
-    assert planned_steps({**train, "max_steps": 7, "epochs": None}, None, 256) == 7
+    assert planned_steps(TrainSpec(max_steps=7, global_batch_size=256), None, 256) == 7
 
 
 def test_weight_decay_skips_biases() -> None:
@@ -118,7 +122,7 @@ def test_checkpoint_round_trip_restores_everything(tmp_path: Path) -> None:
 
 def test_sgd_with_momentum() -> None:
     model = build_model({"family": "mlp", "args": {"hidden": 8}})
-    optimizer = build_optimizer(model, {**OPTIMIZER, "name": "sgd", "momentum": 0.8})
+    optimizer = build_optimizer(model, OPTIMIZER.model_copy(update={"name": "sgd", "momentum": 0.8}))
     assert isinstance(optimizer, torch.optim.SGD)
     assert optimizer.param_groups[0]["momentum"] == 0.8 and optimizer.param_groups[0]["lr"] == 1e-2
 

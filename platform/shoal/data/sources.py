@@ -35,9 +35,6 @@ class DataPlan:
     task: str
     cache: bool
 
-    def as_config(self) -> dict[str, Any]:
-        return {"train": self.train, "val": self.val, "task": self.task, "cache": self.cache}
-
 
 def _is_remote(path: str) -> bool:
     return "://" in path and not path.startswith("file://")

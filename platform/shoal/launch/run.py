@@ -20,6 +20,7 @@ from shoal.launch.storage import Storage, open_storage, probe
 from shoal.spec import LoadedWorkload
 from shoal.tracking import Observer, Recorder, open_run, resolve_uri
 from shoal.tracking.mlflow_run import CWD_TAG, RETRY_EVERY_S, git_commit
+from shoal.worker.config import WorkerConfig
 
 log = logging.getLogger("shoal")
 REPORT_INTERVAL_S = 3.0
@@ -172,19 +173,20 @@ def _threads_per_worker(scaling: Any) -> int:
     return max(1, (os.cpu_count() or 1) // scaling.worker_range()[1])
 
 
-def _worker_config(loaded: LoadedWorkload, run_dir: Path, options: RunOptions) -> dict[str, Any]:
+def _worker_config(loaded: LoadedWorkload, run_dir: Path, options: RunOptions) -> WorkerConfig:
     assert loaded.data is not None
-    return {
-        "workload": loaded.workload.resolved(),
-        "data": loaded.data.as_config(),
-        "train_rows": count_rows(loaded.data.train),
-        "run_dir": str(run_dir),
-        "sys_path": [os.getcwd()],
-        "report_interval_s": options.report_interval_s,
-        "threads_per_worker": _threads_per_worker(loaded.workload.scaling),
-        "audit_samples": os.environ.get("SHOAL_AUDIT_SAMPLES") == "1",
-        "init_from": options.init_from,
-    }
+    return WorkerConfig(
+        workload=loaded.workload,
+        task=loaded.data.task,
+        has_val=bool(loaded.data.val),
+        run_dir=str(run_dir),
+        report_interval_s=options.report_interval_s,
+        threads_per_worker=_threads_per_worker(loaded.workload.scaling),
+        train_rows=count_rows(loaded.data.train),
+        sys_path=(os.getcwd(),),
+        audit_samples=os.environ.get("SHOAL_AUDIT_SAMPLES") == "1",
+        init_from=options.init_from,
+    )
 
 
 def data_config() -> Any:
@@ -197,7 +199,9 @@ def data_config() -> Any:
     return ray.train.DataConfig(datasets_to_split=["val"], execution_options={"train": ordered})
 
 
-def _trainer(loaded: LoadedWorkload, run_name: str, storage: Storage, config: dict, queue: Any, local: bool):
+def _trainer(
+    loaded: LoadedWorkload, run_name: str, storage: Storage, config: WorkerConfig, queue: Any, local: bool
+):
     import ray.train
     from ray.train.torch import TorchTrainer
 
@@ -223,7 +227,7 @@ def _trainer(loaded: LoadedWorkload, run_name: str, storage: Storage, config: di
     )
     return TorchTrainer(
         train,
-        train_loop_config=config,
+        train_loop_config=config.as_train_loop_config(),
         scaling_config=ray.train.ScalingConfig(
             num_workers=low if low == high else (low, high),
             elastic_resize_monitor_interval_s=w.scaling.resize_interval_s,

@@ -15,7 +15,7 @@ from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
 
-from shoal.worker.checkpoint import checkpoint_steps
+from shoal.worker.checkpoint.format import checkpoint_steps
 
 LOCAL_RUNS = "./shoal_runs"
 

@@ -212,7 +212,7 @@ def make_plan(
     gpu = CATALOG[gpu_key]
     cost = model_cost(workload, workload.train.precision)
     usable = USABLE_SHARE * (gpu.memory_bytes - RESERVED_BYTES)
-    global_batch = global_batch_size(workload.resolved())
+    global_batch = global_batch_size(workload)
     options = []
     for layout in candidates(workload, gpus, nodes):
         option = best_option(cost, layout, workload, global_batch, usable)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from shoal.spec.schema import TrainSpec, Workload
 
 
 def accumulation_steps(global_batch: int, micro: int, world: int) -> int:
@@ -14,20 +14,20 @@ def accumulation_steps(global_batch: int, micro: int, world: int) -> int:
     return global_batch // (micro * world)
 
 
-def global_batch_size(spec: dict[str, Any]) -> int:
+def global_batch_size(workload: Workload) -> int:
     """Rows per optimizer step, fixed for the whole run whatever the world size: the spec's
     global_batch_size, or batch_size x the largest number of workers."""
-    configured = spec["train"]["global_batch_size"]
+    configured = workload.train.global_batch_size
     if configured is not None:
         return configured
-    workers = spec["scaling"]["workers"]
-    return spec["data"]["batch_size"] * (workers["max"] if isinstance(workers, dict) else workers)
+    return workload.data.batch_size * workload.scaling.worker_range()[1]
 
 
-def planned_steps(train: dict[str, Any], train_rows: int | None, global_batch: int) -> int:
+def planned_steps(train: TrainSpec, train_rows: int | None, global_batch: int) -> int:
     """Optimizer steps the run will take: max_steps, or what `epochs` of data give."""
-    if train["max_steps"] is not None:
-        return train["max_steps"]
+    if train.max_steps is not None:
+        return train.max_steps
     if not train_rows:
         raise ValueError("train.epochs needs the training set's row count; use train.max_steps")
-    return max(1, train["epochs"] * (train_rows // global_batch))
+    assert train.epochs is not None  # the schema asks for exactly one of the two
+    return max(1, train.epochs * (train_rows // global_batch))

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shoal.models import build_model, count_parameters
+from shoal.spec.schema import OptimizerSpec, Workload
 from shoal.worker.optim import build_optimizer, build_scheduler
 from shoal.worker.parallel.dims import ParallelDims
 from shoal.worker.parallel.parallelize import parallelize
@@ -28,7 +29,7 @@ from shoal.worker.steps import forward_loss
 class Engine:
     def __init__(
         self,
-        spec: dict[str, Any],
+        workload: Workload,
         task: str,
         world: int,
         device: torch.device,
@@ -36,13 +37,13 @@ class Engine:
         accumulation: int,
         compile_cache: str | None = None,
     ):
-        self.spec, self.task, self.device, self.accumulation = spec, task, device, accumulation
-        train, parallel = spec["train"], spec["parallel"]
-        self.dims = ParallelDims.from_spec(parallel, world)
+        self.workload, self.task, self.device, self.accumulation = workload, task, device, accumulation
+        train = workload.train
+        self.dims = ParallelDims.from_spec(workload.parallel.model_dump(), world)
         self.mesh = self.dims.build_mesh(device.type) if world > 1 else None
-        self.precision = Precision(train["precision"], device, self.dims.uses_fsdp)
-        seed_everything(train["seed"])  # identical initial weights on every rank
-        model = build_model(spec["model"])
+        self.precision = Precision(train.precision, device, self.dims.uses_fsdp)
+        seed_everything(train.seed)  # identical initial weights on every rank
+        model = build_model(workload.model.model_dump())
         self.parameters = count_parameters(model)
         self.precision.prepare(model)
         parts, indices = self._split(model)
@@ -52,16 +53,16 @@ class Engine:
                 self.dims,
                 self.mesh,
                 device,
-                activation_checkpointing=train["activation_checkpointing"],
-                compile_model=train["compile"],
+                activation_checkpointing=train.activation_checkpointing,
+                compile_model=train.compile,
                 compile_cache=compile_cache,
                 fsdp_param_dtype=self.precision.fsdp_param_dtype,
             )
             for part in parts
         ]
         self.pipeline = self._pipeline(indices) if self.dims.pp > 1 else None
-        self.optimizers = [build_optimizer(part, train["optimizer"]) for part in self.parts]
-        self.schedulers = [build_scheduler(o, total_steps, train["schedule"]) for o in self.optimizers]
+        self.optimizers = [build_optimizer(part, train.optimizer) for part in self.parts]
+        self.schedulers = [build_scheduler(o, total_steps, train.schedule) for o in self.optimizers]
         self.mp_group, self.mp_ranks = (None, [dist.get_rank()] if world > 1 else [0])
         if self.dims.model_parallel > 1:
             self.mp_group, self.mp_ranks = self.dims.model_parallel_groups(self.mesh)
@@ -71,22 +72,22 @@ class Engine:
     def _split(self, model: nn.Module) -> tuple[list[nn.Module], list[int]]:
         if self.dims.pp == 1:
             return [model], [0]
-        schedule = self.spec["parallel"]["pp_schedule"]
+        schedule = self.workload.parallel.pp_schedule
         pp_rank = self.mesh["pp"].get_local_rank()
         indices = stage_indices(pp_rank, self.dims.pp, schedule)
         num_stages = self.dims.pp * stages_per_rank(schedule)
         return [stage_module(model, i, num_stages) for i in indices], indices
 
     def _pipeline(self, indices: list[int]) -> Pipeline:
-        parallel = self.spec["parallel"]
-        schedule = parallel["pp_schedule"]
+        parallel = self.workload.parallel
+        schedule = parallel.pp_schedule
         num_stages = self.dims.pp * stages_per_rank(schedule)
 
         def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
             return loss / self.accumulation
 
-        microbatches = parallel["microbatches"] or num_stages
+        microbatches = parallel.microbatches or num_stages
         return Pipeline(
             self.parts,
             indices,
@@ -161,7 +162,7 @@ class Engine:
 
     def optimizer_step(self) -> None:
         self.precision.unscale(self.optimizers)
-        clip = self.spec["train"]["clip_grad_norm"]
+        clip = self.workload.train.clip_grad_norm
         self.last_grad_norm = clip_grad_norm(self.parts, clip, self.mesh, self.dims)
         self.precision.step(self.optimizers)
         for scheduler in self.schedulers:
@@ -184,24 +185,23 @@ class Engine:
             loss, correct = forward_loss(self.parts[0], batch, self.task, self.device)
         return loss.item() * samples, float(correct), samples
 
-    def apply_optimizer_settings(self, optimizer: dict[str, Any]) -> None:
+    def apply_optimizer_settings(self, optimizer: OptimizerSpec) -> None:
         """Replace restored hyperparameters with the spec's (a checkpoint from a run with other
         settings, as in population-based training); the schedule keeps its step."""
         for opt, scheduler in zip(self.optimizers, self.schedulers, strict=True):
-            scheduler.base_lrs = [optimizer["lr"]] * len(opt.param_groups)
+            scheduler.base_lrs = [optimizer.lr] * len(opt.param_groups)
             for group, factor in zip(opt.param_groups, scheduler.lr_lambdas, strict=True):
-                group["initial_lr"] = optimizer["lr"]
-                group["lr"] = optimizer["lr"] * factor(scheduler.last_epoch)
-                group["weight_decay"] = optimizer["weight_decay"]
+                group["initial_lr"] = optimizer.lr
+                group["lr"] = optimizer.lr * factor(scheduler.last_epoch)
+                group["weight_decay"] = optimizer.weight_decay
                 if "momentum" in group:
-                    group["momentum"] = optimizer["momentum"]
+                    group["momentum"] = optimizer.momentum
                 if "betas" in group:
-                    group["betas"] = tuple(optimizer["betas"])
-            scheduler._last_lr = [group["lr"] for group in opt.param_groups]
+                    group["betas"] = optimizer.betas
 
     @property
     def lr(self) -> float:
-        return self.schedulers[0].get_last_lr()[0]
+        return self.optimizers[0].param_groups[0]["lr"]  # the schedule's current value
 
     def describe(self) -> dict[str, Any]:
         d = self.dims

@@ -16,11 +16,13 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from shoal.spec.schema import ProfileSpec
+
 MAX_SENT_BYTES = 32 * 2**20
 
 
 class ProfileWindow:
-    def __init__(self, window: dict[str, int] | None, rank: int, device: torch.device, run_dir: str):
+    def __init__(self, window: ProfileSpec | None, rank: int, device: torch.device, run_dir: str):
         self.window, self.rank, self.device = window, rank, device
         self.directory = Path(run_dir) / "profiles"
         self.profiler: Any = None
@@ -28,8 +30,8 @@ class ProfileWindow:
 
     def _first_and_last(self) -> tuple[int, int]:
         assert self.window is not None
-        first = self.window["start_step"]
-        return first, first + self.window["steps"] - 1
+        first = self.window.start_step
+        return first, first + self.window.steps - 1
 
     def before_step(self, step: int) -> None:
         """`step` is the optimizer step about to run (1-based)."""

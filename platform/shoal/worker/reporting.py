@@ -9,10 +9,13 @@ the per-step all-reduce), at evaluations, at checkpoints and at the end.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from shoal.worker.context import TrainContext
 
 
 class StepStats:
@@ -57,10 +60,10 @@ class StepStats:
 
 
 class Reporter:
-    """Buffers per-step records and sends them (with events) through ray.train.report."""
+    """Buffers per-step records and sends them (with events) through the context's report."""
 
-    def __init__(self, stats: StepStats):
-        self.stats = stats
+    def __init__(self, stats: StepStats, context: TrainContext):
+        self.stats, self.context = stats, context
         self.steps: list[dict[str, float]] = []
         self.events: list[dict[str, Any]] = []
         self.profiles: list[dict[str, Any]] = []  # every rank's traces go to the driver
@@ -74,21 +77,13 @@ class Reporter:
     def send(
         self,
         summary: dict[str, Any],
-        checkpoint: Any = None,
-        checkpoint_dir_name: str | None = None,
+        checkpoint_dir: Path | None = None,
+        checkpoint_name: str | None = None,
         upload_in_background: bool = False,
     ) -> None:
-        import ray.train
-
         metrics = {**summary, "shoal_steps": self.steps, "shoal_events": self.events}
-        if checkpoint is None and self.profiles:  # checkpoint reports' metrics are kept by Ray
+        if checkpoint_dir is None and self.profiles:  # checkpoint reports' metrics are kept by Ray
             metrics["shoal_profiles"], self.profiles = self.profiles, []
-        options = {}
-        if upload_in_background:  # Ray copies to storage on a thread, then deletes the local files
-            options = {
-                "checkpoint_upload_mode": ray.train.CheckpointUploadMode.ASYNC,
-                "delete_local_checkpoint_after_upload": True,
-            }
-        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=checkpoint_dir_name, **options)
+        self.context.report(metrics, checkpoint_dir, checkpoint_name, upload_in_background)
         self.steps, self.events = [], []
         self.stats.reported()

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from shoal.worker.checkpoint import Position
+from shoal.worker.checkpoint.state import Position
 
 
 @dataclass(frozen=True)

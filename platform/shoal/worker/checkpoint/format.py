@@ -1,11 +1,18 @@
-"""Checkpoint save/restore: model and optimizer through torch.distributed.checkpoint
-(sharded: DDP, FSDP, TP and pipeline stages alike, loadable at another world
-size), plus the trainer state (step, data position, scheduler) and every rank's
-RNG states. Each rank seals what it wrote with a manifest of sizes and CRC32s;
-a checkpoint missing a manifest or failing one is never resumed from.
+"""The checkpoint format: what one checkpoint directory holds and how it is read.
+
+- `checkpoint-NNNNNNNN/` (the optimizer step, `checkpoint_name`), in the run's
+  storage directory;
+- model and optimizer through torch.distributed.checkpoint (sharded: DDP, FSDP,
+  TP and pipeline stages alike, loadable at another world size);
+- `trainer_state.json` (rank 0): the trainer's own state (`state.TrainingState`
+  and the learning-rate schedule);
+- `rng-rankN.pt`: every rank's RNG states;
+- `manifest-rankN.json`: each rank seals what it wrote with sizes and CRC32s; a
+  checkpoint missing a manifest or failing one is never resumed from.
 
 Each rank writes into its own temporary directory and reports it; Ray Train
-merges the ranks' files into one checkpoint directory in storage.
+merges the ranks' files into one checkpoint directory in storage. When and how
+checkpoints are taken is `saver.py`'s business.
 """
 
 from __future__ import annotations
@@ -15,7 +22,6 @@ import random
 import re
 import zlib
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,16 +39,6 @@ from torch.distributed.checkpoint.state_dict import (
 
 TRAINER_STATE = "trainer_state.json"
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
-
-
-@dataclass
-class Position:
-    """Where training stands: optimizer steps done and the data read so far."""
-
-    step: int = 0
-    epoch: int = 0
-    batches_in_epoch: int = 0  # global micro-batches consumed in `epoch` (the same at any world size)
-    samples: int = 0  # training samples consumed, all ranks together
 
 
 def _rng_state() -> dict[str, Any]:
@@ -83,6 +79,11 @@ def _states(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> 
 
 
 CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
+
+
+def checkpoint_name(step: int) -> str:
+    """The directory name of the checkpoint taken after optimizer step `step`."""
+    return f"checkpoint-{step:08d}"
 
 
 def checkpoint_steps(filesystem: Any, directory: str) -> dict[str, int]:

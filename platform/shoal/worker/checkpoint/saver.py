@@ -1,0 +1,173 @@
+"""The saver: when to checkpoint, writing (sync or async), committing, restoring with fallback.
+
+Each rank writes its shard into a local temporary directory (`format.py`), seals
+it with a manifest, and hands it to the context's `report`, which copies every
+rank's files into one checkpoint directory in storage and commits it. Restoring
+verifies the manifests: a checkpoint that is incomplete or corrupt is passed
+over for the newest intact one before it, and the rejection is reported as an
+event.
+
+What a checkpoint holds is assembled here, in one place: the engine's model and
+optimizer parts and schedule, the trainer's `TrainingState`, every rank's RNG.
+
+An async save snapshots the state and writes it on a thread of its own, over a
+process group of its own (DCP on the training group would interleave with the
+training collectives and hang). Training goes on; the checkpoint is reported at
+the first step at which every rank's write has finished.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from shoal.spec.schema import CheckpointSpec
+from shoal.worker.checkpoint import format as checkpoint_format
+from shoal.worker.checkpoint.state import TrainingState
+from shoal.worker.context import StoredCheckpoint, TrainContext
+from shoal.worker.engine import Engine
+from shoal.worker.reporting import Reporter
+
+
+@dataclass
+class PendingSave:
+    directory: Path
+    future: Future | None
+    summary: dict[str, Any]
+    name: str
+
+
+@dataclass
+class Restored:
+    source: str  # the checkpoint's path in storage
+    rng_restored: bool  # False on a rank that did not exist when it was written
+    previous_world: int  # the world size it was written at
+    from_init: bool  # it is `init_from`'s (another run's), not this run's own
+
+
+class Checkpointer:
+    def __init__(
+        self,
+        engine: Engine,
+        training: TrainingState,
+        context: TrainContext,
+        reporter: Reporter,
+        settings: CheckpointSpec,
+        init_from: str | None = None,
+    ):
+        self.engine, self.training, self.context, self.reporter = engine, training, context, reporter
+        self.rank = context.world_rank
+        self.every_steps, self.background = settings.every_steps, settings.async_
+        self.init_from = init_from  # another run's checkpoint, for a run that has none of its own
+        self.group = dist.new_group(backend="gloo") if self.background and dist.is_initialized() else None
+        self.pending: PendingSave | None = None
+        self.saved_step = -1
+
+    # -- saving -----------------------------------------------------------------------
+    def maybe_save(self, step: int, last: bool, summary: dict[str, Any]) -> bool:
+        """Checkpoint after every `checkpoint.every_steps`-th step and after the last one;
+        True when it did (the summary then went to the driver with it)."""
+        if not (last or (self.every_steps and step % self.every_steps == 0)):
+            return False
+        self.save(summary, final=last)
+        return True
+
+    def save(self, summary: dict[str, Any], final: bool = False) -> None:
+        """Checkpoint the current step (a synchronous one is reported before this returns);
+        with nothing new since the last checkpoint, only report the summary."""
+        step = self.training.position.step
+        if step == self.saved_step:
+            self.finish_pending()
+            self.reporter.send(summary)
+            return
+        self.saved_step = step
+        self.finish_pending()
+        directory = Path(tempfile.mkdtemp(prefix="shoal-ckpt-"))
+        future = checkpoint_format.save(
+            directory,
+            self.engine.parts,
+            self.engine.optimizers,
+            self.rank,
+            self._trainer_state() if self.rank == 0 else None,
+            process_group=self.group,
+        )
+        self.pending = PendingSave(directory, future, summary, checkpoint_format.checkpoint_name(step))
+        self.training.checkpointed()
+        if future is None or final:
+            self.finish_pending()
+
+    def _trainer_state(self) -> dict[str, Any]:
+        return {**self.training.state_dict(), "scheduler": self.engine.schedulers[0].state_dict()}
+
+    def written_here(self) -> bool:
+        """Has this rank's part of the pending checkpoint reached its temporary directory?"""
+        return self.pending is None or self.pending.future is None or self.pending.future.done()
+
+    def finish_pending(self) -> None:
+        """Wait for the pending write (if any), seal it and report it. Every rank calls this
+        at the same step: reporting is collective."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        handed_over = False
+        try:
+            if pending.future is not None:
+                pending.future.result()
+                checkpoint_format.seal(pending.directory, self.rank)
+            self.reporter.send(
+                {**pending.summary, "checkpointed": True},
+                checkpoint_dir=pending.directory,
+                checkpoint_name=pending.name,
+                upload_in_background=self.background,
+            )
+            handed_over = self.background  # the upload deletes the directory when done
+        finally:
+            if not handed_over:
+                shutil.rmtree(pending.directory, ignore_errors=True)
+
+    # -- restoring --------------------------------------------------------------------
+    def restore(self) -> Restored | None:
+        """Load the newest intact checkpoint of this run (else `init_from`) into the engine and
+        the training state, or None for a fresh start."""
+        latest = self.context.latest_checkpoint()
+        if latest is None and self.init_from:
+            latest = self.context.checkpoint_at(self.init_from)
+        if latest is None:
+            return None
+        for candidate in [latest, *self._older_than(latest)]:
+            with candidate.as_directory() as directory:
+                problem = self._verified_by_rank0(Path(directory))
+                if problem is None:
+                    return self._load(Path(directory), candidate.path)
+            self.reporter.event("checkpoint_rejected", checkpoint=candidate.path, reason=problem)
+        parent = Path(latest.path).parent
+        raise RuntimeError(f"no intact checkpoint in {parent}: every one failed verification")
+
+    def _load(self, directory: Path, source: str) -> Restored:
+        e = self.engine
+        saved, rng = checkpoint_format.restore(directory, e.parts, e.optimizers, e.schedulers, self.rank)
+        previous_world = self.training.load_state_dict(saved)
+        self.saved_step = self.training.position.step
+        return Restored(source, rng, previous_world, from_init=source == self.init_from)
+
+    def _verified_by_rank0(self, directory: Path) -> str | None:
+        """`checkpoint_format.verify` reads every file of the checkpoint: rank 0 does it for all."""
+        verdict = [checkpoint_format.verify(directory) if self.rank == 0 else None]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(verdict, src=0)
+        return verdict[0]
+
+    def _older_than(self, latest: StoredCheckpoint) -> list[StoredCheckpoint]:
+        """The run's checkpoints older than `latest`, newest first (same filesystem)."""
+        parent, own = str(Path(latest.path).parent), Path(latest.path).name
+        steps = checkpoint_format.checkpoint_steps(latest.filesystem, parent)
+        newest = steps.get(own)
+        older = [n for n, step in steps.items() if n != own and (newest is None or step < newest)]
+        older.sort(key=steps.get, reverse=True)
+        return [self.context.checkpoint_at(f"{parent}/{n}", latest.filesystem) for n in older]
