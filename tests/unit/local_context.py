@@ -1,0 +1,109 @@
+"""An in-process `TrainContext`: the real Trainer, Engine and checkpoints, no Ray.
+
+Datasets are tensors in memory; `report` commits a checkpoint the way Ray Train
+does (every rank's files copied into one directory in storage, then it is the
+latest) and keeps every report for the test to read.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow.fs as pafs
+import torch
+import torch.distributed as dist
+
+
+class InMemoryShard:
+    """Rows of tensors, read in order (or shuffled with the given seed), like a Ray Data shard."""
+
+    def __init__(self, columns: dict[str, torch.Tensor]):
+        self.columns = columns
+        self.rows = len(next(iter(columns.values())))
+
+    def iter_torch_batches(
+        self,
+        batch_size: int,
+        drop_last: bool = False,
+        local_shuffle_buffer_size: int | None = None,
+        local_shuffle_seed: int | None = None,
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        order = torch.arange(self.rows)
+        if local_shuffle_buffer_size:
+            seeded = torch.Generator().manual_seed(local_shuffle_seed or 0)
+            order = torch.randperm(self.rows, generator=seeded)
+        for start in range(0, self.rows, batch_size):
+            rows = order[start : start + batch_size]
+            if drop_last and len(rows) < batch_size:
+                return
+            yield {name: column[rows] for name, column in self.columns.items()}
+
+
+@dataclass
+class LocalCheckpoint:
+    path: str
+    filesystem: Any = field(default_factory=pafs.LocalFileSystem)
+
+    @contextmanager
+    def as_directory(self) -> Iterator[str]:
+        yield self.path
+
+
+@dataclass
+class Report:
+    metrics: dict[str, Any]
+    checkpoint: str | None  # the checkpoint directory's name in storage
+
+
+class LocalContext:
+    def __init__(
+        self,
+        storage: Path,
+        datasets: dict[str, InMemoryShard],
+        world_rank: int = 0,
+        world_size: int = 1,
+        latest: str | None = None,
+    ):
+        self.storage, self.datasets = storage, datasets
+        self.world_rank, self.world_size, self.local_rank = world_rank, world_size, world_rank
+        self.latest = LocalCheckpoint(latest) if latest else None
+        self.reports: list[Report] = []
+
+    def dataset_shard(self, name: str) -> InMemoryShard:
+        return self.datasets[name]
+
+    def report(
+        self,
+        metrics: dict[str, Any],
+        checkpoint_dir: Path | None = None,
+        checkpoint_name: str | None = None,
+        upload_in_background: bool = False,
+    ) -> None:
+        if checkpoint_dir is not None:
+            assert checkpoint_name is not None
+            target = self.storage / checkpoint_name
+            shutil.copytree(checkpoint_dir, target, dirs_exist_ok=True)
+            if upload_in_background:
+                shutil.rmtree(checkpoint_dir)
+        if dist.is_initialized():
+            dist.barrier()  # like Ray Train: committed once every rank has handed its files over
+        if checkpoint_name is not None:
+            self.latest = LocalCheckpoint(str(self.storage / checkpoint_name))
+        self.reports.append(Report(metrics, checkpoint_name))
+
+    def latest_checkpoint(self) -> LocalCheckpoint | None:
+        return self.latest
+
+    def checkpoint_at(self, path: str, filesystem: Any = None) -> LocalCheckpoint:
+        return LocalCheckpoint(path)
+
+    def step_records(self) -> list[dict[str, Any]]:
+        return [record for report in self.reports for record in report.metrics["shoal_steps"]]
+
+    def events(self, kind: str) -> list[dict[str, Any]]:
+        return [e for report in self.reports for e in report.metrics["shoal_events"] if e["kind"] == kind]
