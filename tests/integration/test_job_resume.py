@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from shoal.worker import checkpoint
+from shoal.worker.checkpoint import format as checkpoint_format
 from tests.conftest import WORKLOADS, quickstart
 from tests.integration.conftest import run_workload
 from tests.integration.helpers import events, loss_steps, registered, shoal_cli, wait_for
@@ -94,7 +94,7 @@ def test_full_storage_fails_clearly_and_keeps_earlier_checkpoints(workdir: Path)
         committed = [p for p in run_dir.glob("checkpoint-*") if p.name in snapshot]
         assert committed, "no checkpoint was committed before the storage filled up"
         for directory in committed:
-            assert checkpoint.verify(directory) is None, directory
+            assert checkpoint_format.verify(directory) is None, directory
     finally:
         subprocess.run(["umount", "-l", str(small)], check=False)
 

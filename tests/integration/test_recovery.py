@@ -16,7 +16,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from shoal.data import prepare
-from shoal.worker import checkpoint
+from shoal.worker.checkpoint import format as checkpoint_format
 from tests.conftest import quickstart
 from tests.integration.conftest import run_in_thread, run_workload
 from tests.integration.helpers import (
@@ -93,7 +93,7 @@ def test_sigkilled_worker_resumes_bitwise_and_exactly_once(
     best = json.loads((run_dir / "best.json").read_text())
     val = {m.step: m.value for m in client.get_metric_history(result.run_id, "val/loss")}
     assert best["value"] == min(val[s] for s in (15, 30, 45, 60))
-    assert checkpoint.verify(run_dir / "best-checkpoint") is None
+    assert checkpoint_format.verify(run_dir / "best-checkpoint") is None
     assert tags["shoal.best_step"] == str(best["step"])
 
 
