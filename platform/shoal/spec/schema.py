@@ -1,8 +1,9 @@
 """The workload schema: what a user may write in a workload YAML.
 
-Key names are the user-facing contract (see ARCHITECTURE.md, "The shape of a
-workload"). Sections reject unknown keys; cross-field rules that need more than
-one section live in `checks.py`, so that each error can name its own path.
+Key names are the user-facing contract (README's "Workload reference"; where a
+new setting goes: docs/architecture.md, "Where to add"). Sections reject unknown
+keys; cross-field rules that need more than one section live in `checks.py`, so
+that each error can name its own path.
 """
 
 from __future__ import annotations
