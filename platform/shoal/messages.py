@@ -90,19 +90,32 @@ class Metric(StrEnum):
     ATTEMPT = "attempt"  # the attempt number, logged at the step it started from
 
 
+class WorkerValue(StrEnum):
+    """A value every worker measures for itself, logged as `worker/<rank>/<value>`."""
+
+    BUSY_S = "busy_s"  # the worker's own share of the step: data wait and forward passes
+
+
+class GpuReading(StrEnum):
+    """A worker's GPU readings (NVML), logged as `gpu/<rank>/<reading>`."""
+
+    UTILIZATION_PCT = "utilization_pct"
+    MEMORY_USED_MB = "memory_used_mb"
+    POWER_W = "power_w"
+    TEMPERATURE_C = "temperature_c"
+
+
 VAL_PREFIX = "val/"
 WORKER_PREFIX = "worker/"
 GPU_PREFIX = "gpu/"
 PER_RANK_PREFIXES = (WORKER_PREFIX, GPU_PREFIX)
 
 
-def worker_metric(rank: int, name: str) -> str:
-    """A per-worker value, e.g. `worker/1/busy_s`."""
-    return f"{WORKER_PREFIX}{rank}/{name}"
+def worker_metric(rank: int, value: WorkerValue) -> str:
+    return f"{WORKER_PREFIX}{rank}/{value}"
 
 
-def gpu_metric(rank: int, reading: str) -> str:
-    """A per-GPU reading, e.g. `gpu/0/power_w`."""
+def gpu_metric(rank: int, reading: GpuReading) -> str:
     return f"{GPU_PREFIX}{rank}/{reading}"
 
 
@@ -288,10 +301,14 @@ class ReportMessage:
 
     @classmethod
     def from_ranks(cls, per_rank_metrics: list[Mapping[str, Any]], checkpoint: str | None) -> ReportMessage:
-        """One message from every rank's `ray.train.report` metrics, as the controller sees them."""
-        reports = [WorkerReport.from_metrics(metrics) for metrics in per_rank_metrics]
-        lead = reports[0]
-        profiles = [trace for report in reports for trace in report.profiles]
+        """One message from every rank's `ray.train.report` metrics, as the controller sees them:
+        the ranks send the same steps and events, so rank 0's are read; profiles from each."""
+        lead = WorkerReport.from_metrics(per_rank_metrics[0])
+        profiles = [
+            ProfileTrace.from_dict(trace)
+            for metrics in per_rank_metrics
+            for trace in metrics.get(PROFILES_KEY, [])
+        ]
         return cls(lead.summary, lead.steps, lead.events, checkpoint, profiles)
 
     def to_dict(self) -> dict[str, Any]:

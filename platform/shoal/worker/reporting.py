@@ -9,10 +9,13 @@ the per-step all-reduce), at evaluations, at checkpoints and at the end.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from shoal.messages import Event, EventKind, ProfileTrace, ReportSummary, StepRecord, WorkerReport
 
 
 class StepStats:
@@ -57,38 +60,53 @@ class StepStats:
 
 
 class Reporter:
-    """Buffers per-step records and sends them (with events) through ray.train.report."""
+    """Buffers per-step records and events and sends them through ray.train.report.
+
+    `steps`, `events` and `profiles` hold plain data (messages.py's `to_dict` forms): that is
+    what ray.train.report carries, and what the loop keeps of them in its next checkpoint."""
 
     def __init__(self, stats: StepStats):
         self.stats = stats
-        self.steps: list[dict[str, float]] = []
+        self.steps: list[dict[str, Any]] = []
         self.events: list[dict[str, Any]] = []
         self.profiles: list[dict[str, Any]] = []  # every rank's traces go to the driver
 
-    def record_step(self, record: dict[str, float]) -> None:
-        self.steps.append(record)
+    def record_step(self, record: StepRecord | Mapping[str, Any]) -> StepRecord:
+        typed = record if isinstance(record, StepRecord) else StepRecord.from_dict(record)
+        self.steps.append(typed.to_dict())
+        return typed
 
-    def event(self, kind: str, **fields: Any) -> None:
-        self.events.append({"kind": kind, "time": time.time(), **fields})
+    def event(self, kind: EventKind | str, **fields: Any) -> Event:
+        return self.add_event(Event(EventKind(kind), time.time(), fields))
+
+    def add_event(self, event: Event) -> Event:
+        self.events.append(event.to_dict())
+        return event
 
     def send(
         self,
-        summary: dict[str, Any],
+        summary: ReportSummary | Mapping[str, Any],
         checkpoint: Any = None,
         checkpoint_dir_name: str | None = None,
         upload_in_background: bool = False,
     ) -> None:
         import ray.train
 
-        metrics = {**summary, "shoal_steps": self.steps, "shoal_events": self.events}
+        report = WorkerReport(
+            ReportSummary.coerce(summary),
+            [StepRecord.from_dict(record) for record in self.steps],
+            [Event.from_dict(event) for event in self.events],
+        )
         if checkpoint is None and self.profiles:  # checkpoint reports' metrics are kept by Ray
-            metrics["shoal_profiles"], self.profiles = self.profiles, []
+            report.profiles = [ProfileTrace.from_dict(trace) for trace in self.profiles]
+            self.profiles = []
         options = {}
         if upload_in_background:  # Ray copies to storage on a thread, then deletes the local files
             options = {
                 "checkpoint_upload_mode": ray.train.CheckpointUploadMode.ASYNC,
                 "delete_local_checkpoint_after_upload": True,
             }
+        metrics = report.to_metrics()
         ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=checkpoint_dir_name, **options)
         self.steps, self.events = [], []
         self.stats.reported()
