@@ -70,7 +70,7 @@ class Recorder:
         self.logged_evals: set[int] = set()
         self.earlier_events = 0  # events recorded by earlier drivers of a resumed job
         if run.resumed:
-            history = run.client.get_metric_history(run.run_id, Metric.VAL_LOSS)
+            history = run.client.get_metric_history(run.run_id, Metric.VAL_LOSS.value)
             self.logged_evals = {m.step for m in history}
             self._continue_history()
 
