@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from shoal.launch.tuning import SweepError, TrialObserver, make_scheduler, make_searcher, search_space
+from shoal.messages import Event, EventKind
 from shoal.spec import SpecError, load
 from shoal.spec.sweep import with_values
 from tests.conftest import quickstart, write_workload
@@ -153,15 +154,16 @@ def test_with_values_sets_dotted_paths_and_drops_the_sweep() -> None:
 def test_trial_observer_passes_evaluations_and_knows_the_last_step() -> None:
     sink: queue.Queue = queue.Queue()
     observer = TrialObserver("val/accuracy", sink, checkpoints=False, total=40)
-    observer.on_event({"kind": "eval", "step": 40, "val/accuracy": 0.9, "val/loss": 0.3})  # replayed first
+    replayed = {"step": 40, "val/accuracy": 0.9, "val/loss": 0.3}
+    observer.on_event(Event(EventKind.EVAL, 0, replayed))  # replayed first
     observer.on_progress(10, 40, {"train/loss": 1.5})  # no evaluation in it: nothing for Tune
     observer.on_checkpoint("/runs/x/checkpoint-00000010", 10)  # only PBT needs checkpoints
-    observer.on_event({"kind": "attempt_started"})
+    observer.on_event(Event(EventKind.ATTEMPT_STARTED, 0))
     assert sink.get_nowait() == ({"step": 40, "val/accuracy": 0.9, "val/loss": 0.3}, None)
     assert sink.empty() and observer.total == 40
     pbt = TrialObserver("val/accuracy", sink, checkpoints=True, total=40)
     pbt.on_progress(10, 40, {"train/loss": 1.5})
-    pbt.on_event({"kind": "eval", "step": 20, "val/accuracy": 0.8})  # with a checkpoint: reported with it
+    pbt.on_event(Event(EventKind.EVAL, 0, {"step": 20, "val/accuracy": 0.8}))  # reported with the checkpoint
     pbt.on_checkpoint("/runs/x/checkpoint-00000020", 20)
     saved = {"checkpoint": "/runs/x/checkpoint-00000020", "step": 20}
     assert sink.get_nowait() == ({"step": 20, "train/loss": 1.5, "val/accuracy": 0.8}, saved)

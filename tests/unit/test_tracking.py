@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from shoal.messages import Event, EventKind, FailureMessage, Metric, ReportMessage, ReportSummary, StepRecord
 from shoal.tracking import Recorder, open_run, resolve_uri
 from shoal.tracking.mlflow_run import flatten
 
@@ -18,16 +19,17 @@ def _open(tmp_path: Path, resume: bool, run_dir: str = "/runs/a"):
     return open_run(uri, "exp", "job-1", run_dir, resume, spec, "name: w\n", {"shoal.workload": "w"})
 
 
-def _report(steps: range, events: list | None = None, checkpoint: str | None = None, **summary) -> dict:
-    records = [{"step": s, "train/loss": 1.0 / s, "train/lr": 0.1} for s in steps]
-    summary = {"step": steps[-1] if steps else 0, "total_steps": 20, "world_size": 2, **summary}
-    return {
-        "type": "report",
-        "summary": summary,
-        "steps": records,
-        "events": events or [],
-        "checkpoint": checkpoint,
-    }
+def _report(
+    steps: range, events: list[Event] | None = None, checkpoint: str | None = None, **summary
+) -> ReportMessage:
+    records = [StepRecord(s, None, {Metric.TRAIN_LOSS: 1.0 / s, Metric.TRAIN_LR: 0.1}) for s in steps]
+    step = steps[-1] if steps else 0
+    fields = {"step": step, "epoch": 0, "samples": 8 * step, "total_steps": 20, "world_size": 2, **summary}
+    return ReportMessage(ReportSummary(**fields), records, events or [], checkpoint)
+
+
+def _eval(step: int, loss: float) -> Event:
+    return Event(EventKind.EVAL, 0, {"step": step, Metric.VAL_LOSS: loss})
 
 
 def test_flatten_params() -> None:
@@ -51,10 +53,10 @@ def test_default_uri_is_an_absolute_sqlite_file(monkeypatch: pytest.MonkeyPatch,
 def test_replayed_steps_are_logged_once(tmp_path: Path) -> None:
     run = _open(tmp_path, resume=False)
     recorder = Recorder(run)
-    started = {"kind": "attempt_started", "world_size": 2, "restored_step": None, "time": 0}
+    started = Event(EventKind.ATTEMPT_STARTED, 0, {"world_size": 2, "restored_step": None})
     recorder.handle(_report(range(1, 11), [started]))
-    recorder.handle({"type": "failure", "errors": {1: "ActorDiedError: killed"}, "time": 1.0})
-    restarted = {**started, "restored_step": 6}
+    recorder.handle(FailureMessage({1: "ActorDiedError: killed"}, 1.0))
+    restarted = Event(EventKind.ATTEMPT_STARTED, 0, {**started.fields, "restored_step": 6})
     recorder.handle(_report(range(7, 16), [restarted], checkpoint="/runs/a/checkpoint-15"))
     recorder.finish("FINISHED")
 
@@ -68,24 +70,30 @@ def test_replayed_steps_are_logged_once(tmp_path: Path) -> None:
     assert stored.data.params["train.optimizer.lr"] == "0.1"
     events = json.loads(Path(client.download_artifacts(run.run_id, "events.json", str(tmp_path))).read_text())
     assert [e["kind"] for e in events] == ["attempt_started", "failure", "attempt_started"]
+    assert events[1]["errors"] == {"1": "ActorDiedError: killed"} and events[2]["restored_step"] == 6
+    assert [e.kind for e in recorder.state.events] == [
+        EventKind.ATTEMPT_STARTED,
+        EventKind.FAILURE,
+        EventKind.ATTEMPT_STARTED,
+    ]
 
 
 def test_resume_reopens_the_same_run_without_duplicates(tmp_path: Path) -> None:
     first = _open(tmp_path, resume=False)
     recorder = Recorder(first)
-    recorder.handle(_report(range(1, 9), [{"kind": "eval", "step": 8, "val/loss": 0.5, "time": 0}]))
+    recorder.handle(_report(range(1, 9), [_eval(8, 0.5)]))
     recorder.finish("KILLED")
 
     again = _open(tmp_path, resume=True)
     assert again.run_id == first.run_id and again.resumed and again.logged_until == 8
     recorder = Recorder(again)
-    eval_again = {"kind": "eval", "step": 8, "val/loss": 0.4, "time": 0}
-    recorder.handle(_report(range(5, 13), [eval_again]))
+    recorder.handle(_report(range(5, 13), [_eval(8, 0.4)]))
     recorder.finish("FINISHED")
     client = MlflowClient(again.uri)
     assert sorted(m.step for m in client.get_metric_history(again.run_id, "train/loss")) == list(range(1, 13))
     assert [m.value for m in client.get_metric_history(again.run_id, "val/loss")] == [0.5]
     assert client.get_run(again.run_id).info.status == "FINISHED"
+    assert [e.kind for e in recorder.state.events] == [EventKind.JOB_RESUMED]  # evals are metrics
 
 
 def test_a_fresh_run_dir_gets_a_fresh_mlflow_run(tmp_path: Path) -> None:

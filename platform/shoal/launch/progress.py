@@ -11,6 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from shoal.launch.run import RunResult
+from shoal.messages import Event, EventKind, Metric
 
 
 def _fmt(value: float) -> str:
@@ -44,14 +45,14 @@ class TerminalProgress:
         self.progress.stop()
 
     def on_progress(self, step: int, total: int, metrics: dict[str, float]) -> None:
-        loss = _fmt(metrics["train/loss"]) if "train/loss" in metrics else "-"
-        speed = (
-            f"{_fmt(metrics['train/samples_per_s'])} samples/s" if "train/samples_per_s" in metrics else ""
-        )
-        if "val/accuracy" in metrics:
-            speed += f"  val acc {metrics['val/accuracy']:.3f}"
-        elif "val/loss" in metrics:
-            speed += f"  val loss {_fmt(metrics['val/loss'])}"
+        loss = _fmt(metrics[Metric.TRAIN_LOSS]) if Metric.TRAIN_LOSS in metrics else "-"
+        speed = ""
+        if Metric.TRAIN_SAMPLES_PER_S in metrics:
+            speed = f"{_fmt(metrics[Metric.TRAIN_SAMPLES_PER_S])} samples/s"
+        if Metric.VAL_ACCURACY in metrics:
+            speed += f"  val acc {metrics[Metric.VAL_ACCURACY]:.3f}"
+        elif Metric.VAL_LOSS in metrics:
+            speed += f"  val loss {_fmt(metrics[Metric.VAL_LOSS])}"
         self.progress.update(
             self.task,
             description="training",
@@ -64,37 +65,40 @@ class TerminalProgress:
     def on_checkpoint(self, path: str, step: int) -> None:
         pass  # the summary at the end names the latest checkpoint
 
-    def on_event(self, event: dict[str, Any]) -> None:
-        line = EVENT_LINES.get(event["kind"])
+    def on_event(self, event: Event) -> None:
+        line = EVENT_LINES.get(event.kind)
         if line is not None:
-            self.console.print(line(event))
+            self.console.print(line(event.fields))
 
 
-def _attempt_line(event: dict[str, Any]) -> str:
-    restored = event.get("restored_step")
+def _attempt_line(fields: dict[str, Any]) -> str:
+    restored = fields.get("restored_step")
     where = f"resuming from step {restored}" if restored is not None else "from scratch"
     return (
-        f"[cyan]attempt[/] on {event['world_size']} worker(s) ({event['device']}), {where}; "
-        f"{event['parameters']:,} parameters, accumulation {event['accumulation']}"
+        f"[cyan]attempt[/] on {fields['world_size']} worker(s) ({fields['device']}), {where}; "
+        f"{fields['parameters']:,} parameters, accumulation {fields['accumulation']}"
     )
 
 
-def _failure_line(event: dict[str, Any]) -> str:
-    ranks = ", ".join(f"rank {r}: {e.splitlines()[0][:160]}" for r, e in event["errors"].items())
+def _failure_line(fields: dict[str, Any]) -> str:
+    ranks = ", ".join(f"rank {r}: {e.splitlines()[0][:160]}" for r, e in fields["errors"].items())
     return f"[yellow]worker failure[/] {ranks}; Ray Train restarts from the latest checkpoint"
 
 
-# One terminal line per notable event kind; the others (evaluations...) show in the bar.
-EVENT_LINES: dict[str, Callable[[dict[str, Any]], str]] = {
-    "attempt_started": _attempt_line,
-    "failure": _failure_line,
-    "fatal": lambda e: f"[red]fatal[/] {e['reason']}",
-    "straggler": lambda e: (
+# One terminal line per notable event kind (from the event's fields); the others
+# (evaluations...) show in the bar.
+EVENT_LINES: dict[EventKind, Callable[[dict[str, Any]], str]] = {
+    EventKind.ATTEMPT_STARTED: _attempt_line,
+    EventKind.FAILURE: _failure_line,
+    EventKind.FATAL: lambda e: f"[red]fatal[/] {e['reason']}",
+    EventKind.STRAGGLER: lambda e: (
         f"[yellow]straggler[/] worker rank {e['rank']} took {e['busy_s']:.3g} s of its own per step "
         f"vs the others' median {e['median_s']:.3g} s for {e['steps']} steps (to step {e['step']})"
     ),
-    "straggler_recovered": lambda e: f"[green]recovered[/] worker rank {e['rank']} (step {e['step']})",
-    "profile": lambda e: (
+    EventKind.STRAGGLER_RECOVERED: lambda e: (
+        f"[green]recovered[/] worker rank {e['rank']} (step {e['step']})"
+    ),
+    EventKind.PROFILE: lambda e: (
         f"[cyan]profile[/] rank {e['rank']} steps {e['first_step']}-{e['last_step']}: "
         f"MLflow artifact profiles/{e['name']}"
     ),

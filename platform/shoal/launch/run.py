@@ -17,13 +17,24 @@ import yaml
 from shoal.launch.cluster import QUIET_ENV, ClusterError, quiet_ray_logging, ray_session
 from shoal.launch.retention import BestKeeper
 from shoal.launch.storage import Storage, open_storage, probe
+from shoal.messages import EventKind, Metric
 from shoal.spec import LoadedWorkload
 from shoal.tracking import Observer, Recorder, open_run, resolve_uri
-from shoal.tracking.mlflow_run import CWD_TAG, RETRY_EVERY_S, git_commit
+from shoal.tracking.drain import Drainer
+from shoal.tracking.mlflow_run import CWD_TAG, git_commit
 from shoal.worker.config import WorkerConfig
 
 log = logging.getLogger("shoal")
 REPORT_INTERVAL_S = 3.0
+# The step metrics a run's result (and its summary table) shows, beside the evaluations.
+RESULT_METRICS = (
+    Metric.TRAIN_LOSS,
+    Metric.TRAIN_SAMPLES_PER_S,
+    Metric.TRAIN_TOKENS_PER_S,
+    Metric.PERF_TFLOPS,
+    Metric.PERF_MFU,
+    Metric.MEMORY_PEAK_MB,
+)
 
 
 @dataclass
@@ -58,61 +69,6 @@ class RunResult:
     @property
     def ok(self) -> bool:
         return self.status == "FINISHED"
-
-
-STOP = "shoal.stop"  # the message that ends a Drainer
-
-
-class Drainer(threading.Thread):
-    """Moves messages from the controller's queue into the Recorder, on the driver."""
-
-    def __init__(self, queue: Any, recorder: Recorder, keeper: BestKeeper | None = None):
-        super().__init__(name="shoal-drainer", daemon=True)
-        self.queue, self.recorder, self.keeper = queue, recorder, keeper
-        self.stopping = threading.Event()
-        self.errors = 0
-
-    def run(self) -> None:
-        from ray.util.queue import Empty
-
-        while not self.stopping.is_set():
-            try:
-                # Long waits: each wake is a call into the queue actor, CPU taken from training.
-                message = self.queue.get(block=True, timeout=RETRY_EVERY_S)
-            except Empty:
-                self.recorder.run.flush()  # retries buffered writes while MLflow is away
-                continue
-            except Exception:  # the queue actor went away with the cluster
-                log.exception("lost the report queue")
-                return
-            self._handle(message)  # a STOP is ignored; `stopping` then ends the loop
-
-    def _handle(self, message: dict[str, Any]) -> None:
-        if message.get("type") == STOP:
-            return
-        try:
-            self.recorder.handle(message)
-            if self.keeper and message.get("checkpoint"):
-                summary = message["summary"]
-                self.keeper.offer(message["checkpoint"], summary["step"], summary.get("score"))
-        except Exception:  # tracking trouble must not stop training
-            self.errors += 1
-            log.exception("could not record a report in MLflow")
-
-    def finish(self) -> None:
-        """Record everything reported so far, then stop."""
-        self.stopping.set()
-        try:
-            self.queue.put({"type": STOP})  # behind every report already queued: wakes the wait
-        except Exception:  # the queue actor is gone: the wait ends with an error instead
-            log.debug("report queue gone at finish", exc_info=True)
-        self.join()
-        try:
-            remaining = self.queue.size()
-            for message in self.queue.get_nowait_batch(remaining) if remaining else []:
-                self._handle(message)
-        except Exception:
-            log.exception("could not drain the last reports")
 
 
 def fit_interruptibly(trainer: Any) -> None:
@@ -346,15 +302,8 @@ def run(
 def _fill_result(result: RunResult, recorder: Recorder) -> None:
     state = recorder.state
     result.step, result.total_steps, result.restarts = state.step, state.total_steps, state.restarts
-    shown = (
-        "train/loss",
-        "train/samples_per_s",
-        "train/tokens_per_s",
-        "perf/tflops",
-        "perf/mfu",
-        "memory/peak_mb",
-    )
-    result.metrics = {**{k: v for k, v in state.latest.items() if k in shown}, **state.evals}
+    result.metrics = {**{k: v for k, v in state.latest.items() if k in RESULT_METRICS}, **state.evals}
     result.checkpoint = state.checkpoints[-1] if state.checkpoints else None
-    starts = [e for e in state.events[recorder.earlier_events :] if e["kind"] == "attempt_started"]
+    events = state.events[recorder.earlier_events :]
+    starts = [e for e in events if e.kind == EventKind.ATTEMPT_STARTED]
     result.resumed_from = starts[0].get("restored_step") if starts else None

@@ -15,6 +15,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from shoal.messages import Event, EventKind, Metric, eval_metrics
 from shoal.spec.schema import SearchDomain, SweepSpec, Workload
 
 POINTER = "shoal-checkpoint.json"  # a Tune checkpoint of a trial: which shoal checkpoint it means
@@ -91,14 +92,14 @@ class TrialObserver:
 
     def on_progress(self, step: int, total: int, metrics: dict[str, float]) -> None:
         self.step, self.total, self.latest = step, total or self.total, dict(metrics)
-        if self.metric == "train/loss" and "train/loss" in metrics and step:
+        if self.metric == Metric.TRAIN_LOSS and Metric.TRAIN_LOSS in metrics and step:
             self.sink.put(({"step": step, **self.latest}, None))
 
-    def on_event(self, event: dict[str, Any]) -> None:
-        if event["kind"] == "eval" and self.metric in event:
-            self.evals = {k: v for k, v in event.items() if k.startswith("val/")}
+    def on_event(self, event: Event) -> None:
+        if event.kind == EventKind.EVAL and self.metric in event.fields:
+            self.evals = eval_metrics(event.fields)
             if not self.checkpoints:  # with checkpoints, results go with them (the same step's eval)
-                self.sink.put(({**self.latest, **self.evals, "step": event["step"]}, None))
+                self.sink.put(({**self.latest, **self.evals, "step": event.fields["step"]}, None))
 
     def on_checkpoint(self, path: str, step: int) -> None:
         if self.checkpoints:

@@ -7,20 +7,21 @@ from __future__ import annotations
 import base64
 import shutil
 from pathlib import Path
-from typing import Any
 
-PLOTTED = ("train/loss", "val/loss", "train/samples_per_s", "train/tokens_per_s")
+from shoal.messages import Metric, ProfileTrace
+
+PLOTTED = (Metric.TRAIN_LOSS, Metric.VAL_LOSS, Metric.TRAIN_SAMPLES_PER_S, Metric.TRAIN_TOKENS_PER_S)
 
 
-def save_trace(trace: dict[str, Any], directory: Path) -> Path | None:
+def save_trace(trace: ProfileTrace, directory: Path) -> Path | None:
     """A worker's gzipped trace as a file here; None when it stayed on a worker's disk and
     that disk is not this one."""
-    target = directory / trace["name"]
+    target = directory / trace.name
     directory.mkdir(parents=True, exist_ok=True)
-    if "data" in trace:
-        target.write_bytes(base64.b64decode(trace["data"]))
+    if trace.data is not None:
+        target.write_bytes(base64.b64decode(trace.data))
         return target
-    source = Path(trace["path"])
+    source = Path(trace.path or "")
     if not source.exists():
         return None
     shutil.copyfile(source, target)
@@ -53,7 +54,7 @@ class TensorBoard:
 
 def plot_run(series: dict[str, list[tuple[int, float]]], title: str, path: Path) -> Path | None:
     """Loss (train and val) and throughput against step, as a PNG; None without data."""
-    if not series.get("train/loss"):
+    if not series.get(Metric.TRAIN_LOSS):
         return None
     import matplotlib
 
@@ -61,14 +62,15 @@ def plot_run(series: dict[str, list[tuple[int, float]]], title: str, path: Path)
     import matplotlib.pyplot as plt
 
     figure, (losses, speed) = plt.subplots(1, 2, figsize=(11, 4))
-    for key in ("train/loss", "val/loss"):
+    for key in (Metric.TRAIN_LOSS, Metric.VAL_LOSS):
         if series.get(key):
             steps, values = zip(*sorted(series[key]), strict=True)
-            losses.plot(steps, values, label=key, marker="o" if key == "val/loss" else None)
+            losses.plot(steps, values, label=key.value, marker="o" if key == Metric.VAL_LOSS else None)
     losses.set_xlabel("step")
     losses.set_ylabel("loss")
     losses.legend()
-    throughput = "train/tokens_per_s" if series.get("train/tokens_per_s") else "train/samples_per_s"
+    tokens = series.get(Metric.TRAIN_TOKENS_PER_S)
+    throughput = Metric.TRAIN_TOKENS_PER_S if tokens else Metric.TRAIN_SAMPLES_PER_S
     if series.get(throughput):
         steps, values = zip(*sorted(series[throughput]), strict=True)
         speed.plot(steps, values, color="tab:green")

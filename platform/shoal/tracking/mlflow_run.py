@@ -25,6 +25,8 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from shoal.messages import Metric as MetricName  # mlflow.entities.Metric is a logged point
+
 RUN_NAME_TAG = "shoal.run_name"
 RUN_DIR_TAG = "shoal.run_dir"
 CWD_TAG = "shoal.cwd"
@@ -259,7 +261,7 @@ def open_run(
         if run_id is None and resume:
             run_id = _find_run(client, experiment_id, run_name, run_dir)
         # A run made beforehand is resumed once it holds steps (a restarted sweep trial).
-        history = client.get_metric_history(run_id, "train/loss") if run_id else []
+        history = client.get_metric_history(run_id, MetricName.TRAIN_LOSS.value) if run_id else []
         resumed = run_id is not None and (resume or bool(history))
         identity = {RUN_NAME_TAG: run_name, RUN_DIR_TAG: run_dir}
         if run_id is None:

@@ -13,17 +13,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from shoal.messages import (
+    Event,
+    EventKind,
+    FailureMessage,
+    Metric,
+    ProfileTrace,
+    ReportMessage,
+    ReportSummary,
+    StepRecord,
+    eval_metrics,
+)
 from shoal.plan.catalog import gpu_for_device
 from shoal.tracking.artifacts import PLOTTED, TensorBoard, plot_run, save_trace
 from shoal.tracking.mlflow_run import TrackedRun
 
+EVENTS_FILE = "events.json"  # the run's events, an MLflow artifact
 FLUSH_AT_END_S = 300.0  # how long the end of a run waits for an unreachable MLflow
 log = logging.getLogger("shoal")
 
 
 class Observer(Protocol):
     def on_progress(self, step: int, total: int, metrics: dict[str, float]) -> None: ...
-    def on_event(self, event: dict[str, Any]) -> None: ...
+    def on_event(self, event: Event) -> None: ...
     def on_checkpoint(self, path: str, step: int) -> None: ...
 
 
@@ -37,7 +49,7 @@ class RunState:
     latest: dict[str, float] = field(default_factory=dict)
     evals: dict[str, float] = field(default_factory=dict)
     checkpoints: list[str] = field(default_factory=list)
-    events: list[dict[str, Any]] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
     fatal: str | None = None
     finished: bool = False
 
@@ -58,7 +70,7 @@ class Recorder:
         self.logged_evals: set[int] = set()
         self.earlier_events = 0  # events recorded by earlier drivers of a resumed job
         if run.resumed:
-            history = run.client.get_metric_history(run.run_id, "val/loss")
+            history = run.client.get_metric_history(run.run_id, Metric.VAL_LOSS.value)
             self.logged_evals = {m.step for m in history}
             self._continue_history()
 
@@ -67,46 +79,45 @@ class Recorder:
         tags = self.run.client.get_run(self.run.run_id).data.tags
         self.state.attempts = int(tags.get("shoal.attempts", 0))
         self.state.restarts = int(tags.get("shoal.restarts", 0))
-        self.state.events = self.run.read_json("events.json") or []
+        self.state.events = [Event.from_dict(e) for e in self.run.read_json(EVENTS_FILE) or []]
         self.earlier_events = len(self.state.events)
-        self._event({"kind": "job_resumed", "time": time.time(), "previous_attempts": self.state.attempts})
+        self._event(Event(EventKind.JOB_RESUMED, fields={"previous_attempts": self.state.attempts}))
 
-    def handle(self, message: dict[str, Any]) -> None:
-        if message["type"] == "failure":
-            self._event({"kind": "failure", "time": message["time"], "errors": message["errors"]})
+    def handle(self, message: ReportMessage | FailureMessage) -> None:
+        if isinstance(message, FailureMessage):
+            self._event(message.event())
             return
-        summary = message["summary"]
-        self.state.step = summary.get("step", self.state.step)
-        self.state.total_steps = summary.get("total_steps", self.state.total_steps)
-        self.state.world_size = summary.get("world_size", self.state.world_size)
-        for event in message["events"]:
+        summary = message.summary
+        self.state.step = summary.step
+        self.state.total_steps = summary.total_steps
+        self.state.world_size = summary.world_size
+        for event in message.events:
             self._event(event)
-        self._log_steps(message["steps"])
-        for trace in message.get("profiles", []):
+        self._log_steps(message.steps)
+        for trace in message.profiles:
             self._extra("the profiler trace", self._trace, trace)
-        if message["checkpoint"]:
-            self._checkpoint(message["checkpoint"], summary)
-        if summary.get("fatal"):
-            self.state.fatal = summary["fatal"]
-        if summary.get("final"):
+        if message.checkpoint:
+            self._checkpoint(message.checkpoint, summary)
+        if summary.fatal:
+            self.state.fatal = summary.fatal
+        if summary.final:
             self.state.finished = True
         if self.observer:
             self.observer.on_progress(
                 self.state.step, self.state.total_steps, {**self.state.latest, **self.state.evals}
             )
 
-    def _log_steps(self, steps: list[dict[str, float]]) -> None:
+    def _log_steps(self, steps: list[StepRecord]) -> None:
         rows = []
         for record in steps:
-            step, ended = int(record["step"]), record.get("time")
-            values = {k: v for k, v in record.items() if k not in ("step", "time")}
-            if self.peak_flops and "perf/tflops" in values:
-                values["perf/mfu"] = values["perf/tflops"] * 1e12 / self.peak_flops
+            values = dict(record.values)
+            if self.peak_flops and Metric.PERF_TFLOPS in values:
+                values[Metric.PERF_MFU.value] = values[Metric.PERF_TFLOPS] * 1e12 / self.peak_flops
             self.state.latest = values
-            if step <= self.logged_until:
+            if record.step <= self.logged_until:
                 continue
-            rows += [(key, value, step, ended) for key, value in values.items()]
-            self.logged_until = step
+            rows += [(key, value, record.step, record.time) for key, value in values.items()]
+            self.logged_until = record.step
         self._log_rows(rows)
 
     def _log_rows(self, rows: list[tuple[str, float, int, float | None]]) -> None:
@@ -116,66 +127,61 @@ class Recorder:
         if self.tensorboard:
             self.tensorboard.scalars(rows)
 
-    def _event(self, event: dict[str, Any]) -> None:
-        kind = event["kind"]
-        if kind == "eval":
-            step = event["step"]
-            values = {k: v for k, v in event.items() if k.startswith("val/")}
+    def _event(self, event: Event) -> None:
+        if event.kind == EventKind.EVAL:
+            step = event.fields["step"]
+            values = eval_metrics(event.fields)
             self.state.evals = values
             if step not in self.logged_evals:
-                self._log_rows([(k, v, step, event.get("time")) for k, v in values.items()])
+                self._log_rows([(k, v, step, event.time) for k, v in values.items()])
                 self.logged_evals.add(step)
             if self.observer:
                 self.observer.on_event(event)
             return
         self.state.events.append(event)
-        if kind == "attempt_started":
+        if event.kind == EventKind.ATTEMPT_STARTED:
             self._attempt(event)
-        self.run.log_json(self.state.events, "events.json")
+        self.run.log_json([e.to_dict() for e in self.state.events], EVENTS_FILE)
         if self.observer:
             self.observer.on_event(event)
 
-    def _attempt(self, event: dict[str, Any]) -> None:
+    def _attempt(self, event: Event) -> None:
         gpu = gpu_for_device(event.get("device_name") or "")
         precision = (event.get("parallel") or {}).get("precision", "fp32")
-        self.peak_flops = gpu.peak_flops(precision) * event["world_size"] if gpu else None
+        self.peak_flops = gpu.peak_flops(precision) * event.fields["world_size"] if gpu else None
         self.state.attempts += 1
         if self.state.attempts > 1:
             self.state.restarts += 1
         tags = {
             "shoal.attempts": self.state.attempts,
             "shoal.restarts": self.state.restarts,
-            "shoal.world_size": event["world_size"],
+            "shoal.world_size": event.fields["world_size"],
             "shoal.parameters": event.get("parameters"),
             "shoal.device": event.get("device"),
             "shoal.device_name": event.get("device_name"),
         }
         self.run.set_tags(tags)
         restored = event.get("restored_step")
-        self.run.log_metrics([("attempt", float(self.state.attempts), restored or 0, event.get("time"))])
+        self.run.log_metrics([(Metric.ATTEMPT.value, float(self.state.attempts), restored or 0, event.time)])
 
-    def _checkpoint(self, path: str, summary: dict[str, Any]) -> None:
+    def _checkpoint(self, path: str, summary: ReportSummary) -> None:
         self.state.checkpoints.append(path)
         if self.observer:
-            self.observer.on_checkpoint(path, summary.get("step", 0))
-        self.run.set_tags(
-            {"shoal.latest_checkpoint": path, "shoal.latest_checkpoint_step": summary.get("step")}
-        )
+            self.observer.on_checkpoint(path, summary.step)
+        self.run.set_tags({"shoal.latest_checkpoint": path, "shoal.latest_checkpoint_step": summary.step})
 
-    def _trace(self, trace: dict[str, Any]) -> None:
+    def _trace(self, trace: ProfileTrace) -> None:
         """A worker's profiler trace -> MLflow artifacts `profiles/` (and TensorBoard)."""
         if self.run_dir is None:
             return
         path = save_trace(trace, self.run_dir / "profiles")
         if path is None:
-            log.warning("rank %s's trace stayed on its node at %s", trace["rank"], trace.get("path"))
+            log.warning("rank %s's trace stayed on its node at %s", trace.rank, trace.path)
             return
         self.run.log_artifact(str(path), "profiles")
         if self.tensorboard:
             self.tensorboard.trace(path)
-        self._event(
-            {"kind": "profile", "time": time.time(), **{k: v for k, v in trace.items() if k != "data"}}
-        )
+        self._event(trace.event())
 
     @staticmethod
     def _extra(what: str, action: Any, *args: Any) -> None:
@@ -191,7 +197,7 @@ class Recorder:
         back from MLflow once every buffered write has been sent."""
         if self.run_dir is None:
             return
-        history = {key: self.run.client.get_metric_history(self.run.run_id, key) for key in PLOTTED}
+        history = {key: self.run.client.get_metric_history(self.run.run_id, key.value) for key in PLOTTED}
         series = {key: [(m.step, m.value) for m in points] for key, points in history.items()}
         path = plot_run(series, self.run_dir.name, self.run_dir / "plots" / "training.png")
         if path is not None:

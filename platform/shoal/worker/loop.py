@@ -18,6 +18,15 @@ from typing import Any
 
 import torch
 
+from shoal.messages import (
+    EventKind,
+    LoopOutcome,
+    Metric,
+    ProfileTrace,
+    ReportSummary,
+    StepRecord,
+    WorkerValue,
+)
 from shoal.models.cost import batch_shapes, trace_cost
 from shoal.worker.batching import accumulation_steps, global_batch_size, planned_steps
 from shoal.worker.checkpoint.saver import Checkpointer
@@ -87,8 +96,8 @@ class Trainer:
     def restore(self, reason: str = "start") -> None:
         restored = self.checkpointer.restore()
         if restored is not None:  # the driver logs only what it has not logged yet
-            self.reporter.steps = [*self.training.recent_steps, *self.reporter.steps]
-            self.reporter.events += self.training.recent_evals
+            self.reporter.steps = [*self.training.recent.steps, *self.reporter.steps]
+            self.reporter.events += self.training.recent.evals
             if restored.from_init:  # PBT: this trial's own settings
                 self.engine.apply_optimizer_settings(self.workload.train.optimizer)
         if restored is None or not restored.rng_restored:  # a rank new to the run gets its own seed
@@ -96,10 +105,13 @@ class Trainer:
         old_world = restored.previous_world if restored else self.world
         if restored is not None and old_world != self.world:
             self.reporter.event(
-                "resized", step=self.position.step, previous_world_size=old_world, world_size=self.world
+                EventKind.RESIZED,
+                step=self.position.step,
+                previous_world_size=old_world,
+                world_size=self.world,
             )
         self.reporter.event(
-            "attempt_started" if reason == "start" else "rolled_back",
+            EventKind.ATTEMPT_STARTED if reason == "start" else EventKind.ROLLED_BACK,
             world_size=self.world,
             restored_step=self.position.step if restored else None,
             restored_from=restored.source if restored else None,
@@ -114,19 +126,12 @@ class Trainer:
         )
 
     # -- steps -------------------------------------------------------------------
-    def _summary(self, **extra: Any) -> dict[str, Any]:
-        summary = {
-            "step": self.position.step,
-            "epoch": self.position.epoch,
-            "samples": self.position.samples,
-            "world_size": self.world,
-            "total_steps": self.total_steps,
-            **extra,
-        }
-        keep_best = self.workload.checkpoint.keep_best
+    def _summary(self, final: bool = False, fatal: str | None = None) -> ReportSummary:
+        keep_best, score = self.workload.checkpoint.keep_best, None
         if keep_best and keep_best.metric in self.last_eval:  # the driver keeps the best checkpoint
-            summary["score"] = self.last_eval[keep_best.metric]
-        return summary
+            score = self.last_eval[keep_best.metric]
+        p = self.position
+        return ReportSummary(p.step, p.epoch, p.samples, self.world, self.total_steps, final, fatal, score)
 
     def _evaluate(self) -> None:
         if self.config.has_val:
@@ -135,10 +140,11 @@ class Trainer:
             results = evaluate(self.engine, shard, self.task, self.micro, self.world, max_batches=max_batches)
         else:
             results = {}
-        self.last_eval = {**results, "train/loss": self.last_loss}
+        self.last_eval = {**results, Metric.TRAIN_LOSS: self.last_loss}
         if results:
-            self.reporter.event("eval", step=self.position.step, **results)
-            self.training.recent_evals.append(self.reporter.events[-1])
+            self.training.recent.evals.append(
+                self.reporter.event(EventKind.EVAL, step=self.position.step, **results)
+            )
 
     def _stream(self) -> Iterator[Any]:
         plan = StreamPlan(
@@ -160,13 +166,13 @@ class Trainer:
             self.checkpointer.save(self._summary())  # something to roll back to before the first checkpoint
         while self.position.step < self.total_steps:
             outcome = self._train_stream()
-            if outcome == "rollback":
+            if outcome == LoopOutcome.ROLLBACK:
                 self.checkpointer.finish_pending()
                 self.restore(reason="rollback")
                 if self.audit:
                     self.audit.new_lineage()
                 self.reporter.send(self._summary())
-            elif outcome in ("done", "fatal"):
+            elif outcome in (LoopOutcome.DONE, LoopOutcome.FATAL):
                 break
             else:  # the data ran out (epochs mode) before the planned step count
                 self._evaluate()
@@ -176,7 +182,7 @@ class Trainer:
             self.reporter.send(self._summary(final=True))
         self.watchdog.disarm()
 
-    def _train_stream(self) -> str:
+    def _train_stream(self) -> LoopOutcome:
         """Train from the current position until done, a NaN rollback, a fatal error or the data's end."""
         self.watchdog.arm()
         self.step_started, self.data_wait = time.perf_counter(), 0.0
@@ -184,9 +190,9 @@ class Trainer:
             outcome = self._train_step(group)
             if outcome is not None:
                 return outcome
-        return "exhausted"
+        return LoopOutcome.EXHAUSTED
 
-    def _train_step(self, group: list[Any]) -> str | None:
+    def _train_step(self, group: list[Any]) -> LoopOutcome | None:
         """One optimizer step over this rank's micro-batches; an outcome when the stream must stop."""
         per_step = self.global_batch // self.micro
         self.profile.before_step(self.position.step + 1)
@@ -198,7 +204,7 @@ class Trainer:
         self.clock.add("forward_backward", time.perf_counter() - timer)
         phases = self.clock.take()
         per_rank = {
-            "busy_s": self.data_wait + phases.get("forward", 0.0),
+            WorkerValue.BUSY_S: self.data_wait + phases.get("forward", 0.0),
             "peak_mb": peak_memory_mb(self.device),
             **self.gpu.read(),
         }
@@ -214,7 +220,7 @@ class Trainer:
         if not math.isfinite(loss):
             outcome = self._non_finite(loss, last.epoch, last.index // per_step)
             self.step_started = time.perf_counter()
-            return None if outcome == "skip" else outcome
+            return None if outcome == LoopOutcome.SKIP else outcome
         timer = time.perf_counter()
         self.engine.optimizer_step()
         phases["optimizer"] = time.perf_counter() - timer
@@ -226,11 +232,11 @@ class Trainer:
         self._record(loss, elapsed, self._predicted(last.batch), phases, gathered)
         return self._after_step(report_due)
 
-    def _after_step(self, report_due: bool) -> str | None:
-        """Profile, evaluate, checkpoint or report as due; "done" after the last step."""
+    def _after_step(self, report_due: bool) -> LoopOutcome | None:
+        """Profile, evaluate, checkpoint or report as due; DONE after the last step."""
         step, done = self.position.step, self.position.step >= self.total_steps
         if trace := self.profile.after_step(step):
-            self.reporter.profiles.append(trace)
+            self.reporter.profiles.append(ProfileTrace.from_dict(trace))
         every_eval = self.workload.train.eval_every
         if done or (every_eval and step % every_eval == 0):
             started = time.perf_counter()
@@ -243,7 +249,7 @@ class Trainer:
         elif report_due or self.reporter.events or self.reporter.profiles:
             self.reporter.send(self._summary())
         self.watchdog.arm()
-        return "done" if done else None
+        return LoopOutcome.DONE if done else None
 
     def _steps(self, items: Any) -> Any:
         """Group this rank's micro-batches into optimizer steps (the stream yields whole steps)."""
@@ -254,7 +260,7 @@ class Trainer:
                 yield group
                 group = []
 
-    def _non_finite(self, loss: float, epoch: int, step_in_epoch: int) -> str:
+    def _non_finite(self, loss: float, epoch: int, step_in_epoch: int) -> LoopOutcome:
         """failure.on_nan: 'fail' stops the run, 'skip' drops this step's update, 'rollback'
         restores the last checkpoint and leaves this step's batch out from then on."""
         policy, step = self.failure.on_nan, self.position.step + 1
@@ -264,12 +270,16 @@ class Trainer:
         if policy == "fail" or self.training.nan_steps > limit:
             why = "failure.on_nan: fail" if policy == "fail" else f"more than failure.max_nan_steps ({limit})"
             self._fail(f"training loss is {loss} at step {step} ({why})")
-            return "fatal"
+            return LoopOutcome.FATAL
         self.training.skipped_steps.add((epoch, step_in_epoch))
         self.reporter.event(
-            f"nan_{policy}", step=step, epoch=epoch, step_in_epoch=step_in_epoch, loss=str(loss)
+            EventKind.for_nan_policy(policy),
+            step=step,
+            epoch=epoch,
+            step_in_epoch=step_in_epoch,
+            loss=str(loss),
         )
-        return policy
+        return LoopOutcome(policy)
 
     def _timed(self, stream: Any) -> Any:
         """The stream, adding the time spent waiting for each item to `self.data_wait`."""
@@ -291,7 +301,7 @@ class Trainer:
         try:
             cost = trace_cost(self.workload.model.model_dump(), self.task, batch_shapes(batch))
         except Exception as exc:  # a user model that cannot be built on meta: no FLOP metrics
-            self.reporter.event("flops_unavailable", reason=f"{type(exc).__name__}: {exc}"[:300])
+            self.reporter.event(EventKind.FLOPS_UNAVAILABLE, reason=f"{type(exc).__name__}: {exc}"[:300])
             return 0.0
         return cost.flops_per_sample * self.global_batch
 
@@ -304,46 +314,45 @@ class Trainer:
         gathered: dict[str, list[float]],
     ) -> None:
         samples = self.global_batch
-        record = {
-            "step": self.position.step,
-            "time": time.time(),  # when the step ended: MLflow's timestamp for this step's points
-            "train/loss": loss,
-            "train/lr": self.engine.lr,
-            "train/grad_norm": self.engine.last_grad_norm,
-            "train/samples_per_s": samples / elapsed,
-            "train/samples_per_s_per_worker": samples / elapsed / self.world,
-            "train/data_wait_share": self.data_wait / elapsed,  # of this step's wall time
-            "train/epoch": self.position.epoch,
-            "time/step_s": elapsed,
-            "time/data_wait_s": self.data_wait,
-            "time/forward_backward_s": phases.get("forward_backward", 0.0),
-            "time/forward_s": phases.get("forward", 0.0),
-            "time/optimizer_s": phases.get("optimizer", 0.0),
-            "time/checkpoint_s": self.stalls["checkpoint"],
-            "time/eval_s": self.stalls["eval"],
+        values = {
+            Metric.TRAIN_LOSS: loss,
+            Metric.TRAIN_LR: self.engine.lr,
+            Metric.TRAIN_GRAD_NORM: self.engine.last_grad_norm,
+            Metric.TRAIN_SAMPLES_PER_S: samples / elapsed,
+            Metric.TRAIN_SAMPLES_PER_S_PER_WORKER: samples / elapsed / self.world,
+            Metric.TRAIN_DATA_WAIT_SHARE: self.data_wait / elapsed,  # of this step's wall time
+            Metric.TRAIN_EPOCH: self.position.epoch,
+            Metric.TIME_STEP_S: elapsed,
+            Metric.TIME_DATA_WAIT_S: self.data_wait,
+            Metric.TIME_FORWARD_BACKWARD_S: phases.get("forward_backward", 0.0),
+            Metric.TIME_FORWARD_S: phases.get("forward", 0.0),
+            Metric.TIME_OPTIMIZER_S: phases.get("optimizer", 0.0),
+            Metric.TIME_CHECKPOINT_S: self.stalls["checkpoint"],
+            Metric.TIME_EVAL_S: self.stalls["eval"],
             **worker_metrics(gathered, self.gpu.available),
         }
         self.stalls = {"checkpoint": 0.0, "eval": 0.0}
         if self.flops_per_step:
-            record["perf/tflops"] = self.flops_per_step / elapsed / 1e12
-            record["perf/tflops_per_worker"] = record["perf/tflops"] / self.world
+            values[Metric.PERF_TFLOPS] = self.flops_per_step / elapsed / 1e12
+            values[Metric.PERF_TFLOPS_PER_WORKER] = values[Metric.PERF_TFLOPS] / self.world
         if self.task == "lm":
-            record["train/tokens_per_s"] = samples * predicted_per_sample / elapsed
-            record["train/tokens_per_s_per_worker"] = record["train/tokens_per_s"] / self.world
+            values[Metric.TRAIN_TOKENS_PER_S] = samples * predicted_per_sample / elapsed
+            values[Metric.TRAIN_TOKENS_PER_S_PER_WORKER] = values[Metric.TRAIN_TOKENS_PER_S] / self.world
         # Every rank sees the same gathered times and so records the same events: a rank-0-only
         # event would make rank 0 alone decide to report, and ray.train.report is a barrier.
-        for event in self.stragglers.observe(self.position.step, gathered["busy_s"]):
+        for event in self.stragglers.observe(self.position.step, gathered[WorkerValue.BUSY_S]):
             self.reporter.event(event.pop("kind"), **event)
         if self.engine.precision.scaler is not None:
-            record["train/skipped_steps"] = self.engine.precision.skipped_steps
-        self.reporter.record_step(record)
-        self.training.recent_steps.append(record)
+            values[Metric.TRAIN_SKIPPED_STEPS] = self.engine.precision.skipped_steps
+        # Its time is when the step ended: MLflow's timestamp for this step's points.
+        record = StepRecord(self.position.step, time.time(), values)
+        self.training.recent.steps.append(self.reporter.record_step(record))
         self.data_wait = 0.0
 
     def _fail(self, reason: str) -> None:
         """A failure that a restart cannot fix: tell the driver, then stop cleanly."""
         self.watchdog.disarm()
-        self.reporter.event("fatal", reason=reason, step=self.position.step)
+        self.reporter.event(EventKind.FATAL, reason=reason, step=self.position.step)
         self.reporter.send(self._summary(fatal=reason))
 
 

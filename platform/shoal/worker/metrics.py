@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from shoal.messages import EventKind, GpuReading, Metric, WorkerValue, gpu_metric, worker_metric
+
 
 class PhaseClock:
     """Seconds per named phase of the current step. On CUDA, spans are timed with events
@@ -70,7 +72,7 @@ class GpuReadings:
     `every_s` (the sensors themselves update about that often): steps in between repeat
     the last reading rather than add four driver calls to every step."""
 
-    FIELDS = ("utilization_pct", "memory_used_mb", "power_w", "temperature_c")
+    FIELDS = tuple(GpuReading)
 
     def __init__(self, device: torch.device, every_s: float = 1.0):
         self.handle = None
@@ -97,10 +99,10 @@ class GpuReadings:
         self.read_at = time.monotonic()
         nvml, handle = self.nvml, self.handle
         self.last = {
-            "utilization_pct": float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu),
-            "memory_used_mb": nvml.nvmlDeviceGetMemoryInfo(handle).used / 2**20,
-            "power_w": nvml.nvmlDeviceGetPowerUsage(handle) / 1000,
-            "temperature_c": float(nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU)),
+            GpuReading.UTILIZATION_PCT: float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu),
+            GpuReading.MEMORY_USED_MB: nvml.nvmlDeviceGetMemoryInfo(handle).used / 2**20,
+            GpuReading.POWER_W: nvml.nvmlDeviceGetPowerUsage(handle) / 1000,
+            GpuReading.TEMPERATURE_C: float(nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU)),
         }
         return self.last
 
@@ -108,7 +110,7 @@ class GpuReadings:
 class StragglerWatch:
     """A worker whose busy time exceeds `factor` x the median of the others (and them by at
     least `min_gap_s`) for `steps` steps in a row is a straggler: one event when it starts,
-    one when it recovers."""
+    one when it recovers. Events come as `{"kind": EventKind, **fields}`."""
 
     def __init__(self, factor: float, steps: int, min_gap_s: float):
         self.factor, self.steps, self.min_gap_s = factor, steps, min_gap_s
@@ -128,7 +130,7 @@ class StragglerWatch:
                 self.flagged.add(rank)
                 events.append(
                     {
-                        "kind": "straggler",
+                        "kind": EventKind.STRAGGLER,
                         "rank": rank,
                         "step": step,
                         "busy_s": round(seconds, 4),
@@ -139,18 +141,19 @@ class StragglerWatch:
                 )
             elif not slow and rank in self.flagged:
                 self.flagged.discard(rank)
-                events.append({"kind": "straggler_recovered", "rank": rank, "step": step})
+                events.append({"kind": EventKind.STRAGGLER_RECOVERED, "rank": rank, "step": step})
         return events
 
 
 def worker_metrics(gathered: dict[str, list[float]], gpus: bool) -> dict[str, float]:
-    """Per-worker values (every rank's, from the step's all-reduce) as MLflow metrics."""
-    busy = gathered["busy_s"]
-    metrics = {f"worker/{rank}/busy_s": value for rank, value in enumerate(busy)}
-    metrics["time/busy_max_s"] = max(busy)
-    metrics["time/busy_median_s"] = statistics.median(busy)
-    metrics["memory/peak_mb"] = max(gathered["peak_mb"])
-    for field in GpuReadings.FIELDS if gpus else ():
-        for rank, value in enumerate(gathered[field]):
-            metrics[f"gpu/{rank}/{field}"] = value
+    """Per-worker values (every rank's, from the step's all-reduce: `busy_s`, `peak_mb` and
+    the GPU readings) as MLflow metrics."""
+    busy = gathered[WorkerValue.BUSY_S]
+    metrics = {worker_metric(rank, WorkerValue.BUSY_S): value for rank, value in enumerate(busy)}
+    metrics[Metric.TIME_BUSY_MAX_S] = max(busy)
+    metrics[Metric.TIME_BUSY_MEDIAN_S] = statistics.median(busy)
+    metrics[Metric.MEMORY_PEAK_MB] = max(gathered["peak_mb"])
+    for reading in GpuReadings.FIELDS if gpus else ():
+        for rank, value in enumerate(gathered[reading]):
+            metrics[gpu_metric(rank, reading)] = value
     return metrics

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shoal.messages import Event, EventKind, ProfileTrace, ReportSummary, StepRecord, WorkerReport
 from shoal.worker.context import TrainContext
 
 
@@ -60,30 +61,33 @@ class StepStats:
 
 
 class Reporter:
-    """Buffers per-step records and sends them (with events) through the context's report."""
+    """Buffers per-step records and events and sends them through the context's report."""
 
     def __init__(self, stats: StepStats, context: TrainContext):
         self.stats, self.context = stats, context
-        self.steps: list[dict[str, float]] = []
-        self.events: list[dict[str, Any]] = []
-        self.profiles: list[dict[str, Any]] = []  # every rank's traces go to the driver
+        self.steps: list[StepRecord] = []
+        self.events: list[Event] = []
+        self.profiles: list[ProfileTrace] = []  # every rank's traces go to the driver
 
-    def record_step(self, record: dict[str, float]) -> None:
+    def record_step(self, record: StepRecord) -> StepRecord:
         self.steps.append(record)
+        return record
 
-    def event(self, kind: str, **fields: Any) -> None:
-        self.events.append({"kind": kind, "time": time.time(), **fields})
+    def event(self, kind: EventKind, **fields: Any) -> Event:
+        event = Event(EventKind(kind), time.time(), fields)
+        self.events.append(event)
+        return event
 
     def send(
         self,
-        summary: dict[str, Any],
+        summary: ReportSummary,
         checkpoint_dir: Path | None = None,
         checkpoint_name: str | None = None,
         upload_in_background: bool = False,
     ) -> None:
-        metrics = {**summary, "shoal_steps": self.steps, "shoal_events": self.events}
+        report = WorkerReport(summary, self.steps, self.events)
         if checkpoint_dir is None and self.profiles:  # checkpoint reports' metrics are kept by Ray
-            metrics["shoal_profiles"], self.profiles = self.profiles, []
-        self.context.report(metrics, checkpoint_dir, checkpoint_name, upload_in_background)
+            report.profiles, self.profiles = self.profiles, []
+        self.context.report(report.to_metrics(), checkpoint_dir, checkpoint_name, upload_in_background)
         self.steps, self.events = [], []
         self.stats.reported()

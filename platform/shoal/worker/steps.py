@@ -9,6 +9,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from shoal.messages import Metric
+
 
 def batch_size_of(batch: dict[str, torch.Tensor]) -> int:
     return len(next(iter(batch.values())))
@@ -53,7 +55,7 @@ def evaluate(
     loss_sum, correct, count = totals.tolist()
     if count == 0:
         return {}
-    results = {"val/loss": loss_sum / count}
+    results = {Metric.VAL_LOSS.value: loss_sum / count}
     if task == "classify":
-        results["val/accuracy"] = correct / count
+        results[Metric.VAL_ACCURACY.value] = correct / count
     return results

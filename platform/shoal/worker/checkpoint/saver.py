@@ -21,12 +21,13 @@ from __future__ import annotations
 import shutil
 import tempfile
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
+from shoal.messages import EventKind, ReportSummary
 from shoal.spec.schema import CheckpointSpec
 from shoal.worker.checkpoint import format as checkpoint_format
 from shoal.worker.checkpoint.state import TrainingState
@@ -39,7 +40,7 @@ from shoal.worker.reporting import Reporter
 class PendingSave:
     directory: Path
     future: Future | None
-    summary: dict[str, Any]
+    summary: ReportSummary
     name: str
 
 
@@ -70,7 +71,7 @@ class Checkpointer:
         self.saved_step = -1
 
     # -- saving -----------------------------------------------------------------------
-    def maybe_save(self, step: int, last: bool, summary: dict[str, Any]) -> bool:
+    def maybe_save(self, step: int, last: bool, summary: ReportSummary) -> bool:
         """Checkpoint after every `checkpoint.every_steps`-th step and after the last one;
         True when it did (the summary then went to the driver with it)."""
         if not (last or (self.every_steps and step % self.every_steps == 0)):
@@ -78,7 +79,7 @@ class Checkpointer:
         self.save(summary, final=last)
         return True
 
-    def save(self, summary: dict[str, Any], final: bool = False) -> None:
+    def save(self, summary: ReportSummary, final: bool = False) -> None:
         """Checkpoint the current step (a synchronous one is reported before this returns);
         with nothing new since the last checkpoint, only report the summary."""
         step = self.training.position.step
@@ -121,7 +122,7 @@ class Checkpointer:
                 pending.future.result()
                 checkpoint_format.seal(pending.directory, self.rank)
             self.reporter.send(
-                {**pending.summary, "checkpointed": True},
+                replace(pending.summary, checkpointed=True),
                 checkpoint_dir=pending.directory,
                 checkpoint_name=pending.name,
                 upload_in_background=self.background,
@@ -145,7 +146,7 @@ class Checkpointer:
                 problem = self._verified_by_rank0(Path(directory))
                 if problem is None:
                     return self._load(Path(directory), candidate.path)
-            self.reporter.event("checkpoint_rejected", checkpoint=candidate.path, reason=problem)
+            self.reporter.event(EventKind.CHECKPOINT_REJECTED, checkpoint=candidate.path, reason=problem)
         parent = Path(latest.path).parent
         raise RuntimeError(f"no intact checkpoint in {parent}: every one failed verification")
 

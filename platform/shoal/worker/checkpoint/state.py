@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from shoal.messages import RecentRecords
+
 
 @dataclass
 class Position:
@@ -32,10 +34,7 @@ class TrainingState:
     position: Position = field(default_factory=Position)
     skipped_steps: set[tuple[int, int]] = field(default_factory=set)  # (epoch, step in epoch) left out
     nan_steps: int = 0
-    # Step records and evaluations since the last checkpoint: they go into the next one, so that
-    # a driver killed before it logged them gets them again from the restored attempt.
-    recent_steps: list[dict[str, Any]] = field(default_factory=list)
-    recent_evals: list[dict[str, Any]] = field(default_factory=list)
+    recent: RecentRecords = field(default_factory=RecentRecords)  # since the last checkpoint
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -44,7 +43,7 @@ class TrainingState:
             "global_batch": self.global_batch,
             "skipped_steps": sorted(self.skipped_steps),
             "nan_steps": self.nan_steps,
-            "recent": {"steps": self.recent_steps, "evals": self.recent_evals},
+            "recent": self.recent.to_dict(),
         }
 
     def load_state_dict(self, saved: dict[str, Any]) -> int:
@@ -61,10 +60,9 @@ class TrainingState:
         self.position = Position(**saved["position"])
         self.skipped_steps |= {(int(epoch), int(step)) for epoch, step in saved["skipped_steps"]}
         self.nan_steps = max(self.nan_steps, saved["nan_steps"])
-        self.recent_steps = list(saved["recent"]["steps"])
-        self.recent_evals = list(saved["recent"]["evals"])
+        self.recent = RecentRecords.from_dict(saved["recent"])
         return saved["world_size"]
 
     def checkpointed(self) -> None:
         """The recent records are in a checkpoint now."""
-        self.recent_steps, self.recent_evals = [], []
+        self.recent = RecentRecords()

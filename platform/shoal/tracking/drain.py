@@ -1,0 +1,80 @@
+"""The driver's end of the report queue that `ForwardingCallback` (tracking/bridge.py) fills:
+a thread that hands every message to the Recorder, and the best checkpoints to a keeper."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Any, Protocol
+
+from shoal.messages import ReportMessage, StopMessage, message_from_dict
+from shoal.tracking.mlflow_run import RETRY_EVERY_S
+from shoal.tracking.recorder import Recorder
+
+log = logging.getLogger("shoal")
+
+
+class ReportQueue(Protocol):
+    """What the Drainer needs of `ray.util.queue.Queue`."""
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any: ...
+    def put(self, item: Any) -> None: ...
+    def size(self) -> int: ...
+    def get_nowait_batch(self, num_items: int) -> list[Any]: ...
+
+
+class CheckpointKeeper(Protocol):
+    """Keeps the best checkpoint by score (launch/retention.py's BestKeeper)."""
+
+    def offer(self, checkpoint_path: str, step: int, score: float | None) -> bool: ...
+
+
+class Drainer(threading.Thread):
+    """Moves messages from the controller's queue into the Recorder, on the driver."""
+
+    def __init__(self, queue: ReportQueue, recorder: Recorder, keeper: CheckpointKeeper | None = None):
+        super().__init__(name="shoal-drainer", daemon=True)
+        self.queue, self.recorder, self.keeper = queue, recorder, keeper
+        self.stopping = threading.Event()
+        self.errors = 0
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                # Long waits: each wake is a call into the queue actor, CPU taken from training.
+                message = self.queue.get(block=True, timeout=RETRY_EVERY_S)
+            except queue.Empty:  # ray.util.queue.Empty is one
+                self.recorder.run.flush()  # retries buffered writes while MLflow is away
+                continue
+            except Exception:  # the queue actor went away with the cluster
+                log.exception("lost the report queue")
+                return
+            self._handle(message)  # a stop message is ignored; `stopping` then ends the loop
+
+    def _handle(self, data: dict[str, Any]) -> None:
+        try:
+            message = message_from_dict(data)
+            if isinstance(message, StopMessage):
+                return
+            self.recorder.handle(message)
+            if self.keeper and isinstance(message, ReportMessage) and message.checkpoint:
+                self.keeper.offer(message.checkpoint, message.summary.step, message.summary.score)
+        except Exception:  # tracking trouble must not stop training
+            self.errors += 1
+            log.exception("could not record a report in MLflow")
+
+    def finish(self) -> None:
+        """Record everything reported so far, then stop."""
+        self.stopping.set()
+        try:
+            self.queue.put(StopMessage().to_dict())  # behind every report already queued: wakes the wait
+        except Exception:  # the queue actor is gone: the wait ends with an error instead
+            log.debug("report queue gone at finish", exc_info=True)
+        self.join()
+        try:
+            remaining = self.queue.size()
+            for message in self.queue.get_nowait_batch(remaining) if remaining else []:
+                self._handle(message)
+        except Exception:
+            log.exception("could not drain the last reports")

@@ -1,0 +1,117 @@
+"""The driver's Drainer against an in-process queue (no Ray): every message reaches the
+Recorder in order, a stop message ends it, nothing queued before the stop is lost."""
+
+from __future__ import annotations
+
+import queue
+from typing import Any
+
+import pytest
+
+from shoal.messages import (
+    Event,
+    EventKind,
+    FailureMessage,
+    QueueMessage,
+    ReportMessage,
+    ReportSummary,
+    StepRecord,
+)
+from shoal.tracking import drain
+from shoal.tracking.drain import Drainer
+
+
+class ListQueue(queue.Queue):
+    """`queue.Queue` with the two calls of `ray.util.queue.Queue` that it lacks."""
+
+    def size(self) -> int:
+        return self.qsize()
+
+    def get_nowait_batch(self, num_items: int) -> list[Any]:
+        return [self.get_nowait() for _ in range(num_items)]
+
+
+class FakeRun:
+    def __init__(self) -> None:
+        self.flushes = 0
+
+    def flush(self) -> bool:
+        self.flushes += 1
+        return True
+
+
+class FakeRecorder:
+    def __init__(self, fail_on_step: int | None = None) -> None:
+        self.run, self.handled, self.fail_on_step = FakeRun(), [], fail_on_step
+
+    def handle(self, message: QueueMessage) -> None:
+        if isinstance(message, ReportMessage) and message.summary.step == self.fail_on_step:
+            raise RuntimeError("MLflow said no")
+        self.handled.append(message)
+
+
+class FakeKeeper:
+    def __init__(self) -> None:
+        self.offers: list[tuple[str, int, float | None]] = []
+
+    def offer(self, checkpoint_path: str, step: int, score: float | None) -> bool:
+        self.offers.append((checkpoint_path, step, score))
+        return True
+
+
+def _report(step: int, checkpoint: str | None = None, score: float | None = None) -> ReportMessage:
+    summary = ReportSummary(step, 0, 8 * step, 2, 10, score=score, checkpointed=checkpoint is not None)
+    return ReportMessage(summary, [StepRecord(step, 1.0, {"train/loss": 1.0})], [], checkpoint)
+
+
+def test_every_message_reaches_the_recorder_in_order_and_checkpoints_the_keeper() -> None:
+    reports, recorder, keeper = ListQueue(), FakeRecorder(), FakeKeeper()
+    drainer = Drainer(reports, recorder, keeper)  # type: ignore[arg-type]
+    drainer.start()
+    sent = [
+        _report(1),
+        FailureMessage({0: "ActorDiedError"}, 2.0),
+        _report(2, "/runs/a/checkpoint-00000002", score=0.5),
+        ReportMessage(_report(3).summary, [], [Event(EventKind.FATAL, 3.0, {"reason": "NaN"})]),
+    ]
+    for message in sent:
+        reports.put(message.to_dict())
+    drainer.finish()
+    assert not drainer.is_alive() and drainer.errors == 0
+    assert recorder.handled == sent  # the stop message itself is not recorded
+    assert keeper.offers == [("/runs/a/checkpoint-00000002", 2, 0.5)]
+    assert reports.empty()
+
+
+def test_messages_queued_behind_the_stop_are_drained_by_finish() -> None:
+    reports, recorder = ListQueue(), FakeRecorder()
+    drainer = Drainer(reports, recorder)  # type: ignore[arg-type]
+    drainer.stopping.set()  # the thread ends at once, as if finish() had woken it
+    drainer.start()
+    drainer.join()
+    reports.put(_report(1).to_dict())
+    reports.put(_report(2).to_dict())
+    drainer.finish()
+    assert [m.summary.step for m in recorder.handled] == [1, 2]
+
+
+def test_tracking_trouble_is_counted_and_draining_goes_on() -> None:
+    reports, recorder = ListQueue(), FakeRecorder(fail_on_step=1)
+    drainer = Drainer(reports, recorder)  # type: ignore[arg-type]
+    drainer.start()
+    reports.put(_report(1).to_dict())  # the recorder fails on this one
+    reports.put({"type": "report", "summary": {"step": 2}})  # not a whole message
+    reports.put(_report(3).to_dict())
+    drainer.finish()
+    assert drainer.errors == 2 and [m.summary.step for m in recorder.handled] == [3]
+
+
+def test_an_idle_queue_retries_buffered_mlflow_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(drain, "RETRY_EVERY_S", 0.01)
+    reports, recorder = ListQueue(), FakeRecorder()
+    drainer = Drainer(reports, recorder)  # type: ignore[arg-type]
+    drainer.start()
+    while recorder.run.flushes < 3:
+        drainer.join(timeout=0.01)
+    drainer.finish()
+    assert recorder.handled == []
