@@ -17,13 +17,15 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from shoal.errors import ShoalError
+
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 UPLOAD_EXCLUDES = [".venv", ".git", "shoal_runs", "mlflow.db", "mlruns", "__pycache__", "*.pyc"]
 STOP_WAIT_S = 30  # a stopped job gets this long to record itself KILLED in MLflow
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 
 
-class JobError(RuntimeError):
+class JobError(ShoalError, RuntimeError):
     """A cluster or job the Jobs API cannot reach or find."""
 
 

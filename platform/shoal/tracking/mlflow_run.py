@@ -25,6 +25,8 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from shoal.errors import ShoalError
+
 RUN_NAME_TAG = "shoal.run_name"
 RUN_DIR_TAG = "shoal.run_dir"
 CWD_TAG = "shoal.cwd"
@@ -40,7 +42,7 @@ FAST_FAIL_ENV = {
 log = logging.getLogger("shoal")
 
 
-class TrackingError(RuntimeError):
+class TrackingError(ShoalError, RuntimeError):
     """The tracking store cannot be reached or written."""
 
 
