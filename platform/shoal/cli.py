@@ -14,8 +14,8 @@ from rich.markup import escape
 
 from shoal import cli_inspect, cli_runs
 from shoal.cli_options import shared_options
-from shoal.cli_output import Col, FittedTable, Fold, iso_time, print_json
 from shoal.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, ShoalError
+from shoal.output import Col, FittedTable, Fold, iso_time, print_json
 
 if TYPE_CHECKING:
     from shoal.launch import RunOptions

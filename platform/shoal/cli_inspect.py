@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from shoal.cli_options import SharedOptions
-from shoal.cli_output import Col, FittedTable, Fold, print_json
+from shoal.output import Col, FittedTable, Fold, print_json
 
 
 def add_parsers(commands: Any, shared: SharedOptions) -> None:

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from shoal.cli_options import SharedOptions
-from shoal.cli_output import Col, FittedTable, Fold, cell_width, iso_time, print_json
+from shoal.output import Col, FittedTable, Fold, cell_width, iso_time, print_json
 
 if TYPE_CHECKING:
     from mlflow.entities import Run
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 JSON_HINT = "--format json has all"
 LIST_COLUMNS = (
-    Col("run id", min_width=16),  # folds in two at 80 columns, so that the metrics fit
+    Col("run id", fold=Fold.NEVER),  # whole, to be copied (shoal resume RUN_ID)
     Col("name", min_width=16),
     Col("experiment", priority=5),
     Col("status", fold=Fold.NEVER),

@@ -1,4 +1,4 @@
-"""What the CLI prints: tables that stay readable at any width, piped output included
+"""What shoal prints: tables that stay readable at any width, piped output included
 (off a terminal rich assumes 80 columns), and the same data as JSON for scripts.
 
 A table that is too wide first leaves out its optional columns, then folds its
