@@ -247,9 +247,32 @@ def jobs_table(rows: list[dict[str, Any]], address: str) -> FittedTable:
     return FittedTable(JOB_COLUMNS, cells, f"Ray jobs at {address}", left_out_hint="--format json has all")
 
 
-def _jobs_json(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def jobs_json(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     times = ("start_time", "end_time")
     return [{k: iso_time(v) if k in times else v for k, v in row.items()} for row in rows]
+
+
+def _print_jobs(client: Any, output_format: str) -> None:
+    from shoal.launch.jobs import job_rows
+
+    rows = job_rows(client)
+    if output_format == "json":
+        print_json(console, jobs_json(rows))
+    else:
+        console.print(jobs_table(rows, client.get_address()))
+
+
+def _print_job_status(client: Any, job_id: str, output_format: str) -> None:
+    from shoal.launch.jobs import job_status
+
+    status = job_status(client, job_id)
+    if output_format == "json":
+        print_json(console, status)
+        return
+    message = f" ({status['message']})" if status["message"] else ""
+    console.print(f"{job_id}: {status['status']}{message}")
+    for key, value in sorted(status["metadata"].items()):
+        console.print(f"  {key}: {value}", soft_wrap=True)
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
@@ -261,20 +284,9 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         return _user_error(f"--format json: shoal jobs {args.action} prints logs or a status, not data")
     client = jobs.client(args.address)
     if args.action == "list":
-        rows = jobs.job_rows(client)
-        if args.format == "json":
-            print_json(console, _jobs_json(rows))
-        else:
-            console.print(jobs_table(rows, client.get_address()))
+        _print_jobs(client, args.format)
     elif args.action == "status":
-        status = jobs.job_status(client, args.job_id)
-        if args.format == "json":
-            print_json(console, status)
-            return 0
-        message = f" ({status['message']})" if status["message"] else ""
-        console.print(f"{args.job_id}: {status['status']}{message}")
-        for key, value in sorted(status["metadata"].items()):
-            console.print(f"  {key}: {value}", soft_wrap=True)
+        _print_job_status(client, args.job_id, args.format)
     elif args.action == "logs":
         jobs.info(client, args.job_id)
         if args.follow:
@@ -282,8 +294,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         else:
             console.out(client.get_job_logs(args.job_id), end="")
     else:
-        status = jobs.stop(client, args.job_id)
-        console.print(f"{args.job_id}: {status}")
+        console.print(f"{args.job_id}: {jobs.stop(client, args.job_id)}")
     return 0
 
 

@@ -6,6 +6,8 @@ rules: parse, call the Python API, print (a table, or with `--format json` its d
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -70,8 +72,6 @@ DOCTOR_STATUS = {"✓": "ok", "✗": "failed", "–": "not applicable"}
 
 
 def _option_data(plan: Any, option: Any) -> dict[str, Any]:
-    from dataclasses import replace
-
     from shoal.plan.memory import estimate
 
     data = {
@@ -96,8 +96,6 @@ def _option_data(plan: Any, option: Any) -> dict[str, Any]:
 
 def _by_precision(plan: Any, workload: Any) -> list[dict[str, Any]]:
     """The recommended layout's peak at each precision (fp8 keeps bf16 activations)."""
-    from dataclasses import replace
-
     from shoal.plan.memory import estimate
     from shoal.plan.planner import model_cost
 
@@ -200,8 +198,6 @@ def cmd_plan(console: Console, args: argparse.Namespace) -> int:
     data = plan_data(plan, loaded.workload)
     data["wrote"] = None
     if plan.choice is not None and args.write:
-        from pathlib import Path
-
         text = planned_yaml(args.file, args.overrides, plan)
         target = Path(args.write)
         partial = target.with_name(f".{target.name}.partial")

@@ -8,6 +8,8 @@ the table is drawn from that data, so the two never disagree.
 from __future__ import annotations
 
 import argparse
+import os
+import time
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
@@ -36,6 +38,7 @@ LIST_COLUMNS = (
     Col("MFU", priority=4, fold=Fold.NEVER, justify="right"),
 )
 COMPARE_MIN_WIDTH = 12  # each run's column; more runs than fit go to the next table
+COMPARE_KEY_WIDTH = 24  # the column of parameter and metric names folds beyond this
 
 
 def add_parser(commands: Any, shared: SharedOptions) -> None:
@@ -56,8 +59,6 @@ def add_parser(commands: Any, shared: SharedOptions) -> None:
 
 
 def cmd_runs(console: Console, args: argparse.Namespace) -> int:
-    import os
-
     from shoal.tracking import resolve_uri
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
@@ -172,8 +173,6 @@ def show_data(uri: str, ref: str) -> dict[str, Any]:
 
 
 def _duration_s(run: Run) -> int:
-    import time
-
     end = run.info.end_time or int(time.time() * 1000)
     return max(0, (end - run.info.start_time) // 1000)
 
@@ -283,13 +282,13 @@ def compare_data(uri: str, refs: list[str]) -> list[dict[str, Any]]:
 def compare_tables(runs: list[dict[str, Any]], width: int) -> list[FittedTable]:
     """Runs side by side, as many per table as `width` holds at COMPARE_MIN_WIDTH each."""
     keys = [*runs[0]["params"], *runs[0]["metrics"]]
-    key_width = min(24, max(map(cell_width, ["status", "steps", *keys])))
+    key_width = min(COMPARE_KEY_WIDTH, max(map(cell_width, ["status", "steps", *keys])))
     per_table = max(1, (width - 1 - key_width - 3) // (COMPARE_MIN_WIDTH + 3))
     return [_compare_table(runs[start : start + per_table]) for start in range(0, len(runs), per_table)]
 
 
 def _compare_table(runs: list[dict[str, Any]]) -> FittedTable:
-    columns = [Col("", min_width=24)]
+    columns = [Col("", min_width=COMPARE_KEY_WIDTH)]
     columns += [Col(f"{escape(r['name'])}\n{r['run_id'][:8]}", min_width=COMPARE_MIN_WIDTH) for r in runs]
     rows = [["status", *[r["status"] for r in runs]], ["steps", *[str(r["steps"]) for r in runs]]]
     for key in runs[0]["params"]:

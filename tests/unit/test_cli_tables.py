@@ -161,7 +161,7 @@ def test_jobs_table_and_json() -> None:
     text = render(cli.jobs_table(rows, "http://127.0.0.1:8265"))
     assert "raysubmit_0AbCdEfGhIjKlMn" in text and "SUCCEEDED" in text and "quickstart-" in text
     assert max(len(line) for line in text.splitlines()) <= 80
-    converted = json.loads(json.dumps(cli._jobs_json(rows)))
+    converted = json.loads(json.dumps(cli.jobs_json(rows)))
     assert converted[0]["start_time"].startswith("2025-12-03T") and converted[0]["end_time"] is None
     assert converted[1]["entrypoint"] == rows[1]["entrypoint"]
 
