@@ -27,8 +27,20 @@ class ShoalError(Exception):
         self.message = message
         self.where = where
 
+    def __reduce__(self) -> tuple:
+        # Rebuilt from its state, not its constructor (subclasses take other arguments):
+        # errors raised in Ray workers are pickled to reach the driver.
+        return _rebuild, (type(self), self.args, self.__dict__)
+
     def lines(self) -> list[str]:
         """What the user reads: one line per problem (most errors have one), each as
         `WHERE: PROBLEM` when `where` is known."""
         problems = self.message.splitlines() or [""]
         return [f"{self.where}: {p}" if self.where else p for p in problems]
+
+
+def _rebuild(cls: type[ShoalError], args: tuple, state: dict) -> ShoalError:
+    error = cls.__new__(cls)
+    Exception.__init__(error, *args)
+    error.__dict__.update(state)
+    return error

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 
 from shoal import cli
@@ -56,6 +58,21 @@ def test_data_error_names_its_setting() -> None:
 def test_spec_error_is_one_line_per_issue() -> None:
     issues = [SpecIssue("w.yaml:3", "train.lr", "unknown key 'lr'"), SpecIssue("--set a=1", "", "bad")]
     assert SpecError(issues).lines() == ["w.yaml:3 train.lr: unknown key 'lr'", "--set a=1: bad"]
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        DataError("data.train.path", "no parquet files"),
+        SpecError([SpecIssue("w.yaml:3", "train.lr", "unknown key 'lr'")]),
+        PrecisionError("fp8 needs a GPU"),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+def test_errors_survive_pickling_whatever_their_constructor(error: ShoalError) -> None:
+    copy = pickle.loads(pickle.dumps(error))  # as a Ray worker's error reaches the driver
+    assert type(copy) is type(error) and copy.lines() == error.lines() and str(copy) == str(error)
+    assert getattr(copy, "issues", None) == getattr(error, "issues", None)
 
 
 def _failing_validate(error: Exception):
