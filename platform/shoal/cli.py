@@ -1,5 +1,5 @@
-"""The `shoal` command: parse, call the Python API, print. Exit codes:
-0 done, 1 training failed, 2 bad input (spec, data, cluster, tracking), 130 interrupted.
+"""The `shoal` command: parse, call the Python API, print. Exit codes (shoal.errors):
+0 done, 1 training failed, 2 bad input (any ShoalError), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -7,19 +7,20 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.markup import escape
 
-from shoal import cli_inspect
+from shoal import cli_inspect, cli_runs
+from shoal.cli_options import shared_options
+from shoal.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, ShoalError
+from shoal.output import Col, FittedTable, Fold, iso_time, print_json
 
 if TYPE_CHECKING:
     from shoal.launch import RunOptions
     from shoal.spec import LoadedWorkload
 
-EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
-DASHBOARD = "http://127.0.0.1:8265"
 console = Console(highlight=False)
 errors = Console(stderr=True, highlight=False)
 
@@ -27,64 +28,58 @@ errors = Console(stderr=True, highlight=False)
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shoal", description="Elastic multi-GPU training on Ray.")
     commands = parser.add_subparsers(dest="command", required=True)
+    shared = shared_options()
+    to_train = [shared.overrides, shared.ray_address]
 
-    run = commands.add_parser("run", help="train a workload")
-    run.add_argument("file", help="workload YAML")
-    run.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a spec value, e.g. --set train.optimizer.lr=1e-3 (repeatable)",
+    run = commands.add_parser(
+        "run", help="train a workload", parents=[*to_train, shared.run_name, shared.verbose]
     )
-    run.add_argument("--address", help="Ray cluster to attach to (HOST:PORT); default: start a local Ray")
-    run.add_argument("--run-name", help="name of the run; reuse it to resume that run")
-    run.add_argument("--verbose", action="store_true", help="show Ray's own logs in the terminal")
+    run.add_argument("file", help="workload YAML")
     run.add_argument("--mlflow-run-id", help=argparse.SUPPRESS)  # made beforehand by `shoal submit`
 
-    resume = commands.add_parser("resume", help="resume an MLflow run from its latest checkpoint")
-    resume.add_argument("run_id", help="the MLflow run id that `shoal run` printed")
-    resume.add_argument(
-        "--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or ./mlflow.db)"
+    resume = commands.add_parser(
+        "resume",
+        help="resume an MLflow run from its latest checkpoint",
+        parents=[shared.tracking_uri, shared.ray_address, shared.verbose],
     )
-    resume.add_argument("--address", help="Ray cluster to attach to (HOST:PORT); default: start a local Ray")
-    resume.add_argument("--verbose", action="store_true", help="show Ray's own logs in the terminal")
+    resume.add_argument("run_id", help="the MLflow run id that `shoal run` printed")
 
-    sweep = commands.add_parser("sweep", help="search hyperparameters with Ray Tune (the 'sweep' section)")
+    sweep = commands.add_parser(
+        "sweep",
+        help="search hyperparameters with Ray Tune (the 'sweep' section)",
+        parents=[*to_train, shared.verbose],
+    )
     sweep.add_argument("file", help="workload YAML with a 'sweep' section")
-    sweep.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    sweep.add_argument("--address", help="Ray cluster to attach to (HOST:PORT); default: start a local Ray")
     sweep.add_argument("--name", help="name of the sweep (default: WORKLOAD-sweep-TIMESTAMP)")
     sweep.add_argument(
         "--resume", action="store_true", help="continue the latest (or --name) sweep of this workload"
     )
-    sweep.add_argument("--verbose", action="store_true", help="show Ray's own logs in the terminal")
 
-    submit = commands.add_parser("submit", help="run a workload as a Ray job on a (remote) cluster")
-    submit.add_argument("file", help="workload YAML, inside the working directory")
-    submit.add_argument(
-        "--address", help=f"Ray dashboard URL (default: $RAY_API_SERVER_ADDRESS or {DASHBOARD})"
+    submit = commands.add_parser(
+        "submit",
+        help="run a workload as a Ray job on a (remote) cluster",
+        parents=[shared.dashboard_address, shared.overrides, shared.run_name],
     )
+    submit.add_argument("file", help="workload YAML, inside the working directory")
     submit.add_argument("--working-dir", help="directory uploaded with the job (default: the current one)")
-    submit.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    submit.add_argument("--run-name", help="name of the run (default: WORKLOAD-TIMESTAMP)")
     submit.add_argument(
         "--python", help="interpreter on the cluster (default: this one on this machine, else python3)"
     )
     submit.add_argument("--detach", action="store_true", help="print the job id and return")
 
-    jobs = commands.add_parser("jobs", help="Ray jobs on a cluster: list | status | logs | stop")
+    jobs = commands.add_parser(
+        "jobs",
+        help="Ray jobs on a cluster: list | status | logs | stop",
+        parents=[shared.dashboard_address, shared.output_format],
+    )
     jobs.add_argument("action", choices=["list", "status", "logs", "stop"])
     jobs.add_argument("job_id", nargs="?", help="the job id that `shoal submit` printed")
-    jobs.add_argument(
-        "--address", help=f"Ray dashboard URL (default: $RAY_API_SERVER_ADDRESS or {DASHBOARD})"
-    )
     jobs.add_argument("--follow", action="store_true", help="logs: keep streaming until the job ends")
 
-    validate = commands.add_parser("validate", help="check a workload without running it")
+    validate = commands.add_parser(
+        "validate", help="check a workload without running it", parents=[shared.overrides]
+    )
     validate.add_argument("file")
-    validate.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
     data = commands.add_parser("data", help="datasets")
     data_commands = data.add_subparsers(dest="data_command", required=True)
@@ -94,7 +89,8 @@ def _parser() -> argparse.ArgumentParser:
     prepare.add_argument("--seed", type=int, default=0)
     prepare.add_argument("--seq-len", type=int, default=256, help="pytext window length in tokens")
     prepare.add_argument("--force", action="store_true", help="prepare again even if present")
-    cli_inspect.add_parsers(commands)
+    cli_inspect.add_parsers(commands, shared)
+    cli_runs.add_parser(commands, shared)
     return parser
 
 
@@ -228,33 +224,69 @@ def cmd_submit(args: argparse.Namespace) -> int:
     return 0 if status == "SUCCEEDED" else EXIT_FAILED
 
 
-def cmd_jobs(args: argparse.Namespace) -> int:
-    from rich.table import Table
+JOB_COLUMNS = (
+    Col("job", fold=Fold.NEVER),
+    Col("status", fold=Fold.NEVER),
+    Col("run", min_width=12),
+    Col("MLflow run", priority=2, min_width=12),
+    Col("entrypoint", priority=1, fold=Fold.FREELY, min_width=16),
+)
 
+
+def jobs_table(rows: list[dict[str, Any]], address: str) -> FittedTable:
+    cells = [
+        [
+            escape(row["job_id"] or "-"),
+            row["status"],
+            escape(row["run_name"] or "-"),
+            row["mlflow_run_id"] or "-",
+            escape(row["entrypoint"][:80]),
+        ]
+        for row in rows
+    ]
+    return FittedTable(JOB_COLUMNS, cells, f"Ray jobs at {address}", left_out_hint="--format json has all")
+
+
+def jobs_json(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    times = ("start_time", "end_time")
+    return [{k: iso_time(v) if k in times else v for k, v in row.items()} for row in rows]
+
+
+def _print_jobs(client: Any, output_format: str) -> None:
+    from shoal.launch.jobs import job_rows
+
+    rows = job_rows(client)
+    if output_format == "json":
+        print_json(console, jobs_json(rows))
+    else:
+        console.print(jobs_table(rows, client.get_address()))
+
+
+def _print_job_status(client: Any, job_id: str, output_format: str) -> None:
+    from shoal.launch.jobs import job_status
+
+    status = job_status(client, job_id)
+    if output_format == "json":
+        print_json(console, status)
+        return
+    message = f" ({status['message']})" if status["message"] else ""
+    console.print(f"{job_id}: {status['status']}{message}")
+    for key, value in sorted(status["metadata"].items()):
+        console.print(f"  {key}: {value}", soft_wrap=True)
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
     from shoal.launch import jobs
 
     if args.action != "list" and not args.job_id:
         return _user_error(f"shoal jobs {args.action} needs a JOB id (see shoal jobs list)")
+    if args.format == "json" and args.action not in ("list", "status"):
+        return _user_error(f"--format json: shoal jobs {args.action} prints logs or a status, not data")
     client = jobs.client(args.address)
     if args.action == "list":
-        table = Table(title=f"Ray jobs at {client.get_address()}")
-        for column in ("job", "status", "run", "MLflow run", "entrypoint"):
-            table.add_column(column, overflow="fold")
-        for job in sorted(client.list_jobs(), key=lambda j: j.start_time or 0):
-            meta = job.metadata or {}
-            table.add_row(
-                job.submission_id or job.job_id or "-",
-                str(job.status.value),
-                meta.get("shoal.run_name", "-"),
-                meta.get("mlflow_run_id", "-"),
-                job.entrypoint[:80],
-            )
-        console.print(table)
+        _print_jobs(client, args.format)
     elif args.action == "status":
-        job = jobs.info(client, args.job_id)
-        console.print(f"{args.job_id}: {job.status.value}" + (f" ({job.message})" if job.message else ""))
-        for key, value in sorted((job.metadata or {}).items()):
-            console.print(f"  {key}: {value}", soft_wrap=True)
+        _print_job_status(client, args.job_id, args.format)
     elif args.action == "logs":
         jobs.info(client, args.job_id)
         if args.follow:
@@ -262,8 +294,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         else:
             console.out(client.get_job_logs(args.job_id), end="")
     else:
-        status = jobs.stop(client, args.job_id)
-        console.print(f"{args.job_id}: {status}")
+        console.print(f"{args.job_id}: {jobs.stop(client, args.job_id)}")
     return 0
 
 
@@ -282,16 +313,6 @@ def _train(loaded: LoadedWorkload, options: RunOptions) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from shoal.data import DataError
-    from shoal.launch import ClusterError
-    from shoal.launch.jobs import JobError
-    from shoal.launch.storage import StorageError
-    from shoal.launch.tuning import SweepError
-    from shoal.models import ModelError
-    from shoal.plan.planner import PlanError
-    from shoal.spec import SpecError
-    from shoal.tracking import TrackingError
-
     handlers = {
         "run": cmd_run,
         "resume": cmd_resume,
@@ -300,27 +321,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "jobs": cmd_jobs,
         "validate": cmd_validate,
         "data": cmd_data,
-        "runs": lambda a: cli_inspect.cmd_runs(console, a),
+        "runs": lambda a: cli_runs.cmd_runs(console, a),
         "plan": lambda a: cli_inspect.cmd_plan(console, a),
         "doctor": lambda a: cli_inspect.cmd_doctor(console, a),
     }
     try:
         return handlers[args.command](args)
-    except SpecError as exc:
-        for issue in exc.issues:
-            errors.print(f"[red]error:[/] {escape(str(issue))}", soft_wrap=True)
-        return EXIT_USAGE
-    except (
-        DataError,
-        ClusterError,
-        StorageError,
-        TrackingError,
-        ModelError,
-        SweepError,
-        JobError,
-        PlanError,
-    ) as exc:
-        return _user_error(str(exc))
+    except ShoalError as exc:
+        for line in exc.lines():
+            errors.print(f"[red]error:[/] {escape(line)}", soft_wrap=True)
+        return exc.exit_code
     except KeyboardInterrupt:
         errors.print("interrupted")
         return EXIT_INTERRUPTED

@@ -15,17 +15,18 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from shoal.data.builtin import prepare
+from shoal.errors import ShoalError
 
 REQUIRED_COLUMNS = {"classify": ("x", "y"), "lm": ("tokens",)}
 CACHE_LIMIT_BYTES = 512 * 1024**2
 
 
-class DataError(ValueError):
+class DataError(ShoalError, ValueError):
     """Data that cannot be found or does not fit the model's task."""
 
     def __init__(self, path: str, message: str):
         self.path = path
-        super().__init__(message)
+        super().__init__(message, where=path)
 
 
 @dataclass

@@ -10,6 +10,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from shoal.errors import ShoalError
+
 # Quiet defaults, set before Ray starts so that its processes inherit them.
 QUIET_ENV = {
     "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
@@ -22,7 +24,7 @@ QUIET_ENV = {
 PROBE_TIMEOUT_S = 5.0
 
 
-class ClusterError(RuntimeError):
+class ClusterError(ShoalError, RuntimeError):
     """A Ray cluster that cannot be reached or started."""
 
 

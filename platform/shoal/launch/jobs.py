@@ -17,13 +17,15 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from shoal.errors import ShoalError
+
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 UPLOAD_EXCLUDES = [".venv", ".git", "shoal_runs", "mlflow.db", "mlruns", "__pycache__", "*.pyc"]
 STOP_WAIT_S = 30  # a stopped job gets this long to record itself KILLED in MLflow
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 
 
-class JobError(RuntimeError):
+class JobError(ShoalError, RuntimeError):
     """A cluster or job the Jobs API cannot reach or find."""
 
 
@@ -212,3 +214,33 @@ def info(jobs: Any, job_id: str) -> Any:
         return jobs.get_job_info(job_id)
     except RuntimeError as exc:
         raise JobError(f"no job '{job_id}' at {jobs.get_address()} ({str(exc).splitlines()[0]})") from None
+
+
+def job_rows(jobs: Any) -> list[dict[str, Any]]:
+    """The cluster's jobs, oldest first, as plain data (times in epoch milliseconds)."""
+    rows = []
+    for job in sorted(jobs.list_jobs(), key=lambda j: j.start_time or 0):
+        meta = job.metadata or {}
+        rows.append(
+            {
+                "job_id": job.submission_id or job.job_id,
+                "status": str(job.status.value),
+                "run_name": meta.get("shoal.run_name"),
+                "mlflow_run_id": meta.get("mlflow_run_id"),
+                "entrypoint": job.entrypoint,
+                "start_time": job.start_time,
+                "end_time": job.end_time,
+            }
+        )
+    return rows
+
+
+def job_status(jobs: Any, job_id: str) -> dict[str, Any]:
+    """One job's status, message and metadata as plain data."""
+    job = info(jobs, job_id)
+    return {
+        "job_id": job_id,
+        "status": str(job.status.value),
+        "message": job.message or None,
+        "metadata": dict(job.metadata or {}),
+    }

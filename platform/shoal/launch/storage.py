@@ -15,12 +15,13 @@ from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
 
+from shoal.errors import ShoalError
 from shoal.worker.checkpoint.format import checkpoint_steps
 
 LOCAL_RUNS = "./shoal_runs"
 
 
-class StorageError(Exception):
+class StorageError(ShoalError):
     """Checkpoint storage that cannot be used; the message names it."""
 
 

@@ -10,6 +10,7 @@ from rich.live import Live
 from rich.table import Table
 
 from shoal.launch.sweep import SweepResult
+from shoal.output import Col, FittedTable, Fold
 
 
 def _fmt(value: Any) -> str:
@@ -82,13 +83,15 @@ class SweepTable:
         done = result.get("total_steps") and result.get("step", 0) >= result["total_steps"]
         self.update(trial, "FINISHED" if done else "STOPPED", result)
 
-    def _table(self) -> Table:
-        table = Table(title=f"sweep: {self.metric} ({self.mode})")
-        table.add_column("trial")
-        for path in self.paths:
-            table.add_column(path)
-        for column in ("status", "step", self.metric):
-            table.add_column(column, justify="right")
+    def _table(self) -> FittedTable:
+        columns = [
+            Col("trial", priority=1, min_width=11),
+            *[Col(path, fold=Fold.FREELY, min_width=8) for path in self.paths],
+            Col("status", fold=Fold.NEVER, justify="right"),
+            Col("step", fold=Fold.NEVER, justify="right"),
+            Col(self.metric, fold=Fold.FREELY, min_width=8, justify="right"),
+        ]
+        rows = []
         scored = [r["metric"] for r in self.rows.values() if r["metric"] is not None]
         best = (min if self.mode == "min" else max)(scored) if scored else None
         colours = {"FINISHED": "green", "STOPPED": "yellow", "ERROR": "red", "RUNNING": "cyan"}
@@ -98,8 +101,8 @@ class SweepTable:
             if row["metric"] is not None and row["metric"] == best:
                 metric = f"[bold]{metric} *[/]"
             params = [_fmt(row.get("params", {}).get(p)) for p in self.paths]
-            table.add_row(trial_id, *params, status, str(row["step"]), metric)
-        return table
+            rows.append([trial_id, *params, status, str(row["step"]), metric])
+        return FittedTable(columns, rows, f"sweep: {self.metric} ({self.mode})")
 
 
 _screen: SweepTable | None = None

@@ -15,13 +15,14 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from shoal.errors import ShoalError
 from shoal.messages import Event, EventKind, Metric, eval_metrics
 from shoal.spec.schema import SearchDomain, SweepSpec, Workload
 
 POINTER = "shoal-checkpoint.json"  # a Tune checkpoint of a trial: which shoal checkpoint it means
 
 
-class SweepError(RuntimeError):
+class SweepError(ShoalError, RuntimeError):
     """A sweep that cannot start (missing optional package, nothing to resume)."""
 
 

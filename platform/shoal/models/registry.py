@@ -10,6 +10,8 @@ from typing import Any
 
 from torch import nn
 
+from shoal.errors import ShoalError
+
 BUILTIN: dict[str, str] = {
     "cnn": "shoal.models.cnn:ConvNet",
     "mlp": "shoal.models.mlp:MLP",
@@ -18,7 +20,7 @@ BUILTIN: dict[str, str] = {
 TASKS = ("classify", "lm")
 
 
-class ModelError(ValueError):
+class ModelError(ShoalError, ValueError):
     """A model that cannot be found or built from the given arguments."""
 
 

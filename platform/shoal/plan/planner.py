@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from shoal.errors import ShoalError
 from shoal.models import model_class, model_task
 from shoal.models.cost import ModelCost, trace_cost
 from shoal.plan.catalog import CATALOG, Gpu
@@ -28,7 +29,7 @@ INTERCONNECTS = ("pcie", "nvlink", "ib")
 DIGITS_FEATURES = 64
 
 
-class PlanError(ValueError):
+class PlanError(ShoalError, ValueError):
     """Planner arguments or a workload the planner cannot reason about."""
 
 

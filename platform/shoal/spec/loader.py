@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from shoal.errors import ShoalError
 from shoal.spec.schema import Workload
 
 # PyYAML follows YAML 1.1, where `1e-3` is a string; users mean a float.
@@ -43,7 +44,7 @@ class SpecIssue:
         return f"{self.where} {self.path}: {self.message}" if self.path else f"{self.where}: {self.message}"
 
 
-class SpecError(Exception):
+class SpecError(ShoalError):
     """One or more problems with a workload; `str()` is one line per problem."""
 
     def __init__(self, issues: list[SpecIssue]):

@@ -30,7 +30,7 @@ class RunDetails:
 
     @property
     def name(self) -> str:
-        return self.run.data.tags.get(RUN_NAME_TAG) or self.run.info.run_name or self.run.info.run_id
+        return run_name(self.run)
 
     @property
     def steps(self) -> int:
@@ -45,9 +45,15 @@ class RunDetails:
         return self.run.data.tags.get(RUN_DIR_TAG)
 
 
+def run_name(run: Run) -> str:
+    """The name shoal gave the run (MLflow's own name, or its id, for others)."""
+    return run.data.tags.get(RUN_NAME_TAG) or run.info.run_name or run.info.run_id
+
+
 def last_step(run: Run) -> int:
     """The step of the run's latest train/loss point (0 before the first step)."""
-    return max((m.step for m in run.data._metric_objs if m.key == "train/loss"), default=0)
+    # The latest metrics carry their steps only in RunData's public proto form.
+    return max((m.step for m in run.data.to_proto().metrics if m.key == "train/loss"), default=0)
 
 
 def list_runs(uri: str, experiment: str | None = None, limit: int = 50) -> list[tuple[Run, str]]:

@@ -25,6 +25,7 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from shoal.errors import ShoalError
 from shoal.messages import Metric as MetricName  # mlflow.entities.Metric is a logged point
 
 RUN_NAME_TAG = "shoal.run_name"
@@ -42,7 +43,7 @@ FAST_FAIL_ENV = {
 log = logging.getLogger("shoal")
 
 
-class TrackingError(RuntimeError):
+class TrackingError(ShoalError, RuntimeError):
     """The tracking store cannot be reached or written."""
 
 

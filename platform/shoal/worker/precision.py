@@ -9,10 +9,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from shoal.errors import ShoalError
+
 FP8_CAPABILITY = (8, 9)
 
 
-class PrecisionError(RuntimeError):
+class PrecisionError(ShoalError, RuntimeError):
     """A precision this device cannot run."""
 
 

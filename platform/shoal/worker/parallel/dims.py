@@ -15,10 +15,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shoal.errors import ShoalError
+
 DEGREES = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
-class DegreeError(ValueError):
+class DegreeError(ShoalError, ValueError):
     """Degrees that cannot make the world size."""
 
 
