@@ -20,9 +20,10 @@ from torch import nn
 class ParallelModel(Protocol):
     @classmethod
     def parallel_problems(cls, args: Mapping[str, Any], tp: int, stages: int) -> list[tuple[str, str]]:
-        """Why the model built with `args` (the spec's model.args) cannot be split `tp` ways by
-        tensor parallelism or into `stages` pipeline stages (1: no pipeline), as (spec path,
-        message) pairs; none when it can. Runs in `shoal validate`, without building the model."""
+        """Why the model built with `args` (the spec's model.args as written, without the
+        constructor's defaults) cannot be split `tp` ways by tensor parallelism or into
+        `stages` pipeline stages (1: no pipeline), as (spec path, message) pairs; none when
+        it can. Runs in `shoal validate` and `shoal plan`, without building the model."""
         ...
 
     def tensor_parallel_plan(self) -> dict[str, Any]:
