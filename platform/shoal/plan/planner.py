@@ -181,8 +181,8 @@ def best_option(
 
 
 def spec_problem(workload: Workload, values: dict[str, Any]) -> str | None:
-    """What the workload's own checks say of it with these values (pipelines need untied
-    embeddings, TP needs heads divisible by its degree...), or None."""
+    """What the workload's own checks say of it with these values (the model's objections to
+    a tp or pp degree, batches that do not split...), or None."""
     candidate = Workload.model_validate(with_values(workload.resolved(), values))
     source = Source("plan")
     task, issues = check_model(candidate, source)
