@@ -8,6 +8,7 @@ import pytest
 
 from shoal import cli
 from shoal.data import DataError
+from shoal.degrees import DegreeError
 from shoal.errors import EXIT_USAGE, ShoalError
 from shoal.launch.cluster import ClusterError
 from shoal.launch.jobs import JobError
@@ -17,7 +18,6 @@ from shoal.models.registry import ModelError
 from shoal.plan.planner import PlanError
 from shoal.spec.loader import SpecError, SpecIssue
 from shoal.tracking.mlflow_run import TrackingError
-from shoal.worker.parallel.dims import DegreeError
 from shoal.worker.precision import PrecisionError
 
 # Each error class with the extra base that existing `except` sites rely on.

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from shoal.models import ModelError, build_model, count_parameters, model_class, model_task
+from shoal.models import ModelError, ParallelModel, build_model, count_parameters, model_class, model_task
+from shoal.models.gpt import GPT
 
 
 def test_cnn_classifies_digit_shaped_input() -> None:
@@ -88,3 +89,34 @@ def test_declared_task_overrides_class_attribute() -> None:
     assert model_task(model_class("cnn", None), "lm") == "lm"
     with pytest.raises(ModelError, match="task must be one of"):
         model_task(model_class("cnn", None), "regress")
+
+
+def test_gpt_implements_the_parallel_protocol_and_the_others_do_not() -> None:
+    assert issubclass(model_class("gpt", None), ParallelModel)
+    assert not issubclass(model_class("cnn", None), ParallelModel)
+    assert not issubclass(model_class("mlp", None), ParallelModel)
+
+
+def test_gpt_pipeline_stages_chain_to_the_whole_model() -> None:
+    torch.manual_seed(0)
+    model = GPT(n_layers=3, d_model=32, n_heads=2, seq_len=16, tie_embeddings=False).eval()
+    stages = [model.pipeline_stage(s, 2) for s in range(2)]
+    assert list(stages[0].blocks) == ["0", "1"] and list(stages[1].blocks) == ["2"]
+    names = [set(stage.state_dict()) for stage in stages]
+    assert not names[0] & names[1] and names[0] | names[1] == set(model.state_dict())
+    tokens = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        assert torch.allclose(stages[1](stages[0](tokens)), model(tokens))
+
+
+def test_gpt_names_its_own_parallel_problems() -> None:
+    assert GPT.parallel_problems({}, tp=2, stages=1) == []
+    assert GPT.parallel_problems({"n_heads": 4}, tp=3, stages=1) == [
+        ("parallel.tp", "model.args.n_heads (4) is not divisible by tp (3)")
+    ]
+    paths = [path for path, _ in GPT.parallel_problems({"n_layers": 1}, tp=1, stages=2)]
+    assert paths == ["parallel.pp", "model.args"]  # too few layers; tied embeddings
+    assert GPT.parallel_problems({"tie_embeddings": False}, tp=1, stages=4) == []
+    model = GPT(n_layers=1, d_model=32, n_heads=2, seq_len=8)
+    assert set(model.tensor_parallel_plan()) >= {"blocks.*.attn.q", "blocks.*.mlp.down"}
+    assert not model.fp8_filter(model.lm_head, "lm_head") and model.fp8_filter(model.blocks["0"].mlp.up, "x")

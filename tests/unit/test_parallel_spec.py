@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from shoal.spec import load
+from shoal.spec import SpecError, load
 from tests.conftest import WORKLOADS
 
 GPT = str(WORKLOADS / "gpt_fsdp.yaml")
@@ -117,3 +117,52 @@ def test_fp8_is_refused_by_the_worker_without_a_capable_gpu() -> None:
 def test_explicit_degrees_accept_minus_one(tmp_path: Path) -> None:
     loaded = load(GPT, ["parallel={dp_shard: -1, tp: 2}", "scaling.workers=4", "train.global_batch_size=32"])
     assert loaded.workload.parallel.tp == 2
+
+
+USER_MODEL = """
+import torch
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+
+class Wide(torch.nn.Module):
+    task = "classify"
+
+    def __init__(self, hidden: int = 64):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(64, hidden), torch.nn.Linear(hidden, 10)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x.flatten(1))))
+
+    @classmethod
+    def parallel_problems(cls, args, tp, stages):
+        hidden = args.get("hidden", 64)
+        problems = [("parallel.tp", f"hidden ({hidden}) does not split {tp} ways")] if hidden % tp else []
+        return problems + ([("parallel.pp", "Wide has no pipeline stages")] if stages > 1 else [])
+
+    def tensor_parallel_plan(self):
+        return {"up": ColwiseParallel(), "down": RowwiseParallel()}
+
+    def pipeline_stage(self, stage, num_stages):
+        raise NotImplementedError("parallel_problems refuses pipelines")
+
+    def fp8_filter(self, module, fqn):
+        return fqn != "down"
+"""
+
+
+def test_a_user_model_opts_into_tensor_parallel_through_the_protocol(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "wide_model.py").write_text(USER_MODEL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    workload = tmp_path / "wide.yaml"
+    quickstart = (WORKLOADS / "quickstart.yaml").read_text()
+    workload.write_text(
+        quickstart.replace("family: cnn\n  args: {channels: 32}", 'target: "wide_model:Wide"')
+    )
+    assert load(workload, ["parallel.strategy=tp"]).workload.parallel.strategy == "tp"
+    with pytest.raises(SpecError, match=r"hidden \(63\) does not split 2 ways"):
+        load(workload, ["parallel.strategy=tp", "model.args.hidden=63"])
+    with pytest.raises(SpecError, match="parallel.pp: Wide has no pipeline stages"):
+        load(workload, ["parallel.strategy=pp"])

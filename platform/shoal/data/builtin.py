@@ -59,7 +59,7 @@ def _write_shards(table: pa.Table, directory: Path, rows_per_shard: int) -> int:
 
 
 def _digits_tables(seed: int, val_fraction: float = 0.2) -> tuple[pa.Table, pa.Table, dict]:
-    from sklearn.datasets import load_digits
+    from sklearn.datasets import load_digits  # lazy: over 2 s to import, needed once per cache
 
     digits = load_digits()
     images = (digits.data / 16.0).astype(np.float32)

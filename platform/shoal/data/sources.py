@@ -114,7 +114,7 @@ def build_datasets(plan: DataPlan) -> dict[str, Any]:
     Caching matters: without it every epoch restarts Ray Data's executor and
     re-reads the files (1-2 s an epoch here, longer than an epoch of digits).
     """
-    import ray.data
+    import ray.data  # lazy: about a second to import; `shoal validate` plans data without it
 
     context = ray.data.DataContext.get_current()
     context.print_on_execution_start = False

@@ -10,15 +10,27 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
+from ray import tune
+from ray.util import placement_group_table
 
 from shoal.launch.cluster import quiet_ray_logging, ray_session
-from shoal.launch.tuning import SweepError, make_scheduler, make_searcher, run_trial, search_space
+from shoal.launch.sweep_view import TrialEvents
+from shoal.launch.tuning import (
+    SweepError,
+    SweepResult,
+    TrialOutcome,
+    make_scheduler,
+    make_searcher,
+    run_trial,
+    search_space,
+)
 from shoal.spec import LoadedWorkload
+from shoal.spec.loader import apply_overrides, read_yaml
 from shoal.spec.sweep import with_values
 from shoal.tracking import resolve_uri
 from shoal.tracking.sweep_runs import close_trial, finish_parent, open_parent
@@ -36,36 +48,6 @@ class SweepOptions:
     verbose: bool = False
 
 
-@dataclass
-class TrialOutcome:
-    trial_id: str
-    params: dict[str, Any]
-    status: str  # FINISHED | STOPPED (early, by the scheduler) | ERROR | PENDING
-    step: int
-    metric: float | None
-    run_id: str | None
-
-
-@dataclass
-class SweepResult:
-    name: str
-    directory: str
-    parent_run_id: str
-    experiment: str
-    tracking_uri: str
-    metric: str
-    mode: str
-    trials: list[TrialOutcome] = field(default_factory=list)
-    best: TrialOutcome | None = None
-    best_file: str | None = None
-    best_yaml: str | None = None
-    placement_groups_left: int = 0  # created during the sweep and still reserved at its end
-
-    @property
-    def ok(self) -> bool:
-        return self.best is not None and not any(t.status == "ERROR" for t in self.trials)
-
-
 def _local_root(storage: str) -> Path:
     if "://" in storage:
         raise SweepError(f"checkpoint.storage '{storage}': sweeps keep their state in a directory")
@@ -73,8 +55,6 @@ def _local_root(storage: str) -> Path:
 
 
 def _sweep_name(loaded: LoadedWorkload, root: Path, options: SweepOptions) -> str:
-    from ray import tune
-
     prefix = f"{loaded.workload.name}-sweep-"
     if not options.resume:
         return options.name or f"{prefix}{time.strftime('%Y%m%d-%H%M%S')}"
@@ -100,10 +80,6 @@ def _base_workload(loaded: LoadedWorkload) -> dict[str, Any]:
 
 
 def _tuner(loaded: LoadedWorkload, name: str, root: Path, context: dict[str, Any], resume: bool):
-    from ray import tune
-
-    from shoal.launch.sweep_view import TrialEvents
-
     sweep = loaded.workload.sweep
 
     def shoal_trial(config: dict[str, Any]) -> None:
@@ -179,8 +155,6 @@ def sweep(loaded: LoadedWorkload, options: SweepOptions) -> SweepResult:
 
 
 def _placement_groups() -> dict[str, str]:
-    from ray.util import placement_group_table
-
     return {pg_id: entry["state"] for pg_id, entry in placement_group_table().items()}
 
 
@@ -219,8 +193,6 @@ def _collect(result: SweepResult, grid: Any, max_steps: int | None) -> None:
 def _write_best(result: SweepResult, loaded: LoadedWorkload, directory: Path) -> None:
     if result.best is None:
         return
-    from shoal.spec.loader import apply_overrides, read_yaml
-
     raw, source = read_yaml(loaded.source.file)
     apply_overrides(raw, list(loaded.source.overrides.values()), source)  # the sweep's --set too
     raw.pop("sweep", None)

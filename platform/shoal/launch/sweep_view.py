@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from shoal.launch.sweep import SweepResult
+from shoal.launch.tuning import SweepResult
 from shoal.output import Col, FittedTable, Fold
 
 

@@ -3,6 +3,9 @@
 A trial is an ordinary shoal job (`launch.run`) on the trial's own thread pair:
 the job runs on a helper thread while the trial thread passes its evaluations to
 Tune, which decides (ASHA, PBT) whether the trial goes on.
+
+Ray Tune is imported inside the functions that use it: it takes most of a second
+to import, and the CLI imports this module for commands that run no sweep.
 """
 
 from __future__ import annotations
@@ -12,12 +15,17 @@ import os
 import queue
 import tempfile
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from shoal.errors import ShoalError
+from shoal.launch.run import RunOptions, run
 from shoal.messages import Event, EventKind, Metric, eval_metrics
+from shoal.spec import load
 from shoal.spec.schema import SearchDomain, SweepSpec, Workload
+from shoal.spec.sweep import with_values
+from shoal.tracking.sweep_runs import TRIAL_TAG, trial_run
 
 POINTER = "shoal-checkpoint.json"  # a Tune checkpoint of a trial: which shoal checkpoint it means
 
@@ -26,8 +34,38 @@ class SweepError(ShoalError, RuntimeError):
     """A sweep that cannot start (missing optional package, nothing to resume)."""
 
 
+@dataclass
+class TrialOutcome:
+    trial_id: str
+    params: dict[str, Any]
+    status: str  # FINISHED | STOPPED (early, by the scheduler) | ERROR | PENDING
+    step: int
+    metric: float | None
+    run_id: str | None
+
+
+@dataclass
+class SweepResult:
+    name: str
+    directory: str
+    parent_run_id: str
+    experiment: str
+    tracking_uri: str
+    metric: str
+    mode: str
+    trials: list[TrialOutcome] = field(default_factory=list)
+    best: TrialOutcome | None = None
+    best_file: str | None = None
+    best_yaml: str | None = None
+    placement_groups_left: int = 0  # created during the sweep and still reserved at its end
+
+    @property
+    def ok(self) -> bool:
+        return self.best is not None and not any(t.status == "ERROR" for t in self.trials)
+
+
 def tune_domain(domain: SearchDomain, as_grid: bool = False) -> Any:
-    from ray import tune
+    from ray import tune  # lazy: see the module docstring
 
     low_high = domain.values
     if domain.kind == "grid" or (as_grid and domain.kind == "choice"):
@@ -48,7 +86,7 @@ def search_space(sweep: SweepSpec) -> dict[str, Any]:
 def make_searcher(sweep: SweepSpec) -> Any:
     if sweep.searcher != "optuna":
         return None  # Tune's own variant generator: random sampling, grids crossed
-    try:
+    try:  # optional packages, imported only for an optuna sweep
         import optuna  # noqa: F401  (OptunaSearch imports it only when built)
         from ray.tune.search.optuna import OptunaSearch
     except ImportError:
@@ -60,7 +98,7 @@ def make_searcher(sweep: SweepSpec) -> Any:
 
 
 def make_scheduler(sweep: SweepSpec, workload: Workload) -> Any:
-    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, PopulationBasedTraining
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, PopulationBasedTraining  # lazy
 
     max_steps = workload.train.max_steps or 1
     if sweep.scheduler == "asha":
@@ -110,7 +148,7 @@ class TrialObserver:
 
 def _donor(trial_id: str) -> dict[str, Any] | None:
     """The shoal checkpoint Tune restarts this trial from (its own, or another's under PBT)."""
-    from ray import tune
+    from ray import tune  # lazy: see the module docstring
 
     checkpoint = tune.get_checkpoint()
     if checkpoint is None:
@@ -120,7 +158,7 @@ def _donor(trial_id: str) -> dict[str, Any] | None:
 
 
 def _tune_checkpoint(pointer: dict[str, Any]) -> Any:
-    from ray import tune
+    from ray import tune  # lazy: see the module docstring
 
     directory = tempfile.mkdtemp(prefix="shoal-trial-")
     (Path(directory) / POINTER).write_text(json.dumps(pointer))
@@ -129,12 +167,7 @@ def _tune_checkpoint(pointer: dict[str, Any]) -> Any:
 
 def run_trial(config: dict[str, Any], *, context: dict[str, Any]) -> None:
     """One trial: the base workload with this trial's values, trained as a shoal job."""
-    from ray import tune
-
-    from shoal.launch.run import RunOptions
-    from shoal.spec import load
-    from shoal.spec.sweep import with_values
-    from shoal.tracking.sweep_runs import TRIAL_TAG, trial_run
+    from ray import tune  # lazy: see the module docstring
 
     if os.path.isdir(context["cwd"]):
         os.chdir(context["cwd"])  # relative paths in the workload mean what they meant to the sweep
@@ -163,9 +196,7 @@ def _train_and_report(loaded: Any, options: Any, observer: TrialObserver, trial_
     """Pass the job's results to Tune as they come. The last one waits until the job has ended:
     Tune ends a trial as soon as it reaches the scheduler's last step, and the job must have
     recorded its end in MLflow by then."""
-    from ray import tune
-
-    from shoal.launch.run import run
+    from ray import tune  # lazy: see the module docstring
 
     outcome: dict[str, Any] = {}
 

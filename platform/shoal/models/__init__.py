@@ -1,5 +1,7 @@
-"""Built-in model families and user models (`module:Class`)."""
+"""Built-in model families and user models (`module:Class`); the protocol a model
+implements for tensor and pipeline parallelism (models/protocol.py)."""
 
+from shoal.models.protocol import ParallelModel
 from shoal.models.registry import (
     BUILTIN,
     ModelError,
@@ -13,6 +15,7 @@ from shoal.models.registry import (
 __all__ = [
     "BUILTIN",
     "ModelError",
+    "ParallelModel",
     "build_model",
     "check_args",
     "count_parameters",

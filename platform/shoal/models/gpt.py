@@ -3,15 +3,27 @@
 Input: token ids [batch, time]; output: logits [batch, time, vocab_size].
 Attention views heads as `view(B, T, -1, head_dim)` so that a tensor-parallel
 shard (heads / tp per rank) runs the same code.
+
+It implements models/protocol.py's ParallelModel: tensor parallelism shards the
+attention and MLP projections (Megatron style: q/k/v and up column-wise, out
+and down row-wise; embeddings, norms and the head stay replicated); pipeline
+stages hold contiguous runs of blocks, the first also the embeddings, the last
+the final norm and head.
 """
 
 from __future__ import annotations
 
+import copy
+import inspect
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from shoal.degrees import layer_ranges
 
 
 class CausalSelfAttention(nn.Module):
@@ -108,3 +120,62 @@ class GPT(nn.Module):
         if self.lm_head is None:
             return x
         return self.lm_head(self.final_norm(x))
+
+    # -- models/protocol.py's ParallelModel ------------------------------------------
+    @classmethod
+    def parallel_problems(cls, args: Mapping[str, Any], tp: int, stages: int) -> list[tuple[str, str]]:
+        defaults = {k: p.default for k, p in inspect.signature(cls).parameters.items()}
+        given = {**defaults, **args}
+        problems = []
+        if tp > 1 and given["n_heads"] % tp:
+            problems.append(
+                ("parallel.tp", f"model.args.n_heads ({given['n_heads']}) is not divisible by tp ({tp})")
+            )
+        if stages > 1 and given["n_layers"] < stages:
+            problems.append(
+                (
+                    "parallel.pp",
+                    f"{stages} pipeline stages need at least {stages} layers "
+                    f"(model.args.n_layers is {given['n_layers']})",
+                )
+            )
+        if stages > 1 and given["tie_embeddings"]:
+            problems.append(
+                (
+                    "model.args",
+                    "pipeline parallelism needs tie_embeddings: false "
+                    "(the embedding and the head live on different stages)",
+                )
+            )
+        return problems
+
+    def tensor_parallel_plan(self) -> dict[str, Any]:
+        # Lazy: torch.distributed.tensor takes most of a second to import, and `shoal validate`
+        # imports this module without ever sharding a model.
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        return {
+            "blocks.*.attn.q": ColwiseParallel(),
+            "blocks.*.attn.k": ColwiseParallel(),
+            "blocks.*.attn.v": ColwiseParallel(),
+            "blocks.*.attn.out": RowwiseParallel(),
+            "blocks.*.mlp.up": ColwiseParallel(),
+            "blocks.*.mlp.down": RowwiseParallel(),
+        }
+
+    def pipeline_stage(self, stage: int, num_stages: int) -> GPT:
+        part = copy.deepcopy(self)
+        keep = {str(i) for i in layer_ranges(len(self.blocks), num_stages)[stage]}
+        for name in list(part.blocks.keys()):
+            if name not in keep:
+                del part.blocks[name]
+        if stage > 0:
+            part.token_embedding = None
+            part.position_embedding = None
+        if stage < num_stages - 1:
+            part.final_norm = None
+            part.lm_head = None
+        return part
+
+    def fp8_filter(self, module: nn.Module, fqn: str) -> bool:
+        return "lm_head" not in fqn  # the head stays in high precision

@@ -13,6 +13,18 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+import mlflow
+import ray
+import torch
+from mlflow.tracking import MlflowClient
+
+from shoal.launch.cluster import ClusterError
+from shoal.launch.cluster import probe as probe_cluster
+from shoal.launch.storage import StorageError, open_storage
+from shoal.launch.storage import probe as probe_storage
+from shoal.plan.catalog import gpu_for_device
+from shoal.tracking.mlflow_run import FAST_FAIL_ENV
+
 OK, FAIL, NOT_APPLICABLE = "✓", "✗", "–"
 PINNED = {"torch": "2.13", "ray": "2.60", "mlflow": "3.17"}  # pyproject's tested versions
 MIN_FREE_BYTES = 5e9
@@ -27,10 +39,6 @@ class Check:
 
 
 def versions() -> list[Check]:
-    import mlflow
-    import ray
-    import torch
-
     checks = []
     python = platform.python_version()
     python_ok = tuple(int(p) for p in python.split(".")[:2]) >= (3, 10)
@@ -46,10 +54,6 @@ def versions() -> list[Check]:
 
 
 def gpus() -> list[Check]:
-    import torch
-
-    from shoal.plan.catalog import gpu_for_device
-
     if not torch.cuda.is_available():
         return [
             Check(
@@ -107,12 +111,8 @@ def ray_cluster(address: str | None) -> list[Check]:
         return [
             Check("ray", NOT_APPLICABLE, f"no --address: shoal run starts a local Ray ({cpus} CPUs here)")
         ]
-    import ray
-
-    from shoal.launch.cluster import ClusterError, probe
-
     try:
-        probe(address)  # ray.init would wait minutes for an address nobody listens at
+        probe_cluster(address)  # ray.init would wait minutes for an address nobody listens at
     except ClusterError as exc:
         return [Check("ray", FAIL, str(exc), "is `ray start --head` running there?")]
     try:
@@ -133,10 +133,6 @@ def ray_cluster(address: str | None) -> list[Check]:
 
 
 def tracking(uri: str) -> list[Check]:
-    from mlflow.tracking import MlflowClient
-
-    from shoal.tracking.mlflow_run import FAST_FAIL_ENV
-
     if uri.startswith("sqlite:///"):
         database = Path(uri.removeprefix("sqlite:///"))
         if not database.exists():  # connecting would create it: check where it would go instead
@@ -156,10 +152,8 @@ def tracking(uri: str) -> list[Check]:
 
 def storage(where: str, endpoint: str | None) -> list[Check]:
     if "://" in where and not where.startswith("file://"):
-        from shoal.launch.storage import StorageError, open_storage, probe
-
         try:
-            probe(open_storage(where, endpoint))
+            probe_storage(open_storage(where, endpoint))
         except (StorageError, OSError) as exc:
             return [
                 Check("checkpoints", FAIL, f"{where}: {exc}", "check the bucket, endpoint and credentials")

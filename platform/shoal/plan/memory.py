@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shoal.degrees import Degrees
 from shoal.models.cost import ModelCost
 
 REPLICATED_UNDER_TP = 10 / 34  # Korthikanti et al. 2022, activations per layer without SP
@@ -30,32 +31,13 @@ MIXED = ("bf16", "fp16", "fp8")
 
 
 @dataclass(frozen=True)
-class Layout:
+class Layout(Degrees):
+    """Degrees (keyword arguments) under the strategy name the spec gives them."""
+
     strategy: str
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    tp: int = 1
-    pp: int = 1
-
-    @property
-    def gpus(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp * self.pp
-
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def uses_fsdp(self) -> bool:
-        return self.dp_shard > 1 or (self.dp_replicate > 1 and self.tp * self.pp > 1)
 
     def describe(self) -> str:
-        parts = [
-            f"{k}={getattr(self, k)}"
-            for k in ("pp", "dp_replicate", "dp_shard", "tp")
-            if getattr(self, k) > 1
-        ]
-        return " x ".join(parts) or "1 GPU"
+        return super().describe(none="1 GPU")
 
 
 @dataclass(frozen=True)
@@ -118,12 +100,11 @@ def activation_bytes(cost: ModelCost, layout: Layout, training: Training, micro:
 def estimate(cost: ModelCost, layout: Layout, training: Training, micro: int) -> Estimate:
     params = parameters_per_gpu(cost, layout)
     cast_copies = 2 * params if training.precision in MIXED and not layout.uses_fsdp else 0.0
-    ddp = layout.dp_replicate > 1 and not layout.uses_fsdp
     return Estimate(
         weights=4 * params + cast_copies,
         gradients=4 * params,
         optimizer=optimizer_bytes_per_parameter(training) * params,
-        buckets=4 * params if ddp else 0.0,
+        buckets=4 * params if layout.uses_ddp else 0.0,
         activations=activation_bytes(cost, layout, training, micro),
         transient=cost.largest_bytes_per_sample * micro,
         # AdamW's foreach step builds the moments' square roots (one fp32 copy) before dividing.

@@ -15,13 +15,19 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
+import yaml
 
+from shoal.data.sources import parquet_files
 from shoal.errors import ShoalError
-from shoal.models import model_class, model_task
+from shoal.models import ParallelModel, model_class, model_task
 from shoal.models.cost import ModelCost, trace_cost
 from shoal.plan.catalog import CATALOG, Gpu
 from shoal.plan.memory import Estimate, Layout, Training, estimate
+from shoal.spec.checks import check_batches, check_model, check_parallel
+from shoal.spec.loader import Source, apply_overrides, read_yaml, validate_data
 from shoal.spec.schema import Workload
+from shoal.spec.sweep import with_values
+from shoal.worker.batching import global_batch_size
 
 RESERVED_BYTES = 1.5e9  # CUDA context, NCCL buffers: not available to tensors
 USABLE_SHARE = 0.9  # allocator fragmentation and estimate error
@@ -78,8 +84,6 @@ def sample_shapes(workload: Workload) -> dict[str, tuple[tuple[int, ...], torch.
 
 
 def _feature_shape(path: str) -> tuple[int, ...]:
-    from shoal.data.sources import parquet_files
-
     files = parquet_files(path, "data.train.path")
     if "://" in files[0]:
         raise PlanError(
@@ -116,9 +120,10 @@ def candidates(workload: Workload, gpus: int, nodes: int) -> list[Layout]:
     layouts = [Layout("ddp", dp_replicate=gpus), Layout("fsdp", dp_shard=gpus)]
     if nodes > 1:
         layouts.append(Layout("hsdp", dp_replicate=nodes, dp_shard=per_node))
-    if workload.model.family == "gpt" and gpus > 1:
-        heads = workload.model.args.get("n_heads", 4)
-        tp = max((t for t in (8, 4, 2) if t <= per_node and heads % t == 0 and gpus % t == 0), default=1)
+    cls = model_class(workload.model.family, workload.model.target)
+    if issubclass(cls, ParallelModel) and gpus > 1:
+        splits = [t for t in (8, 4, 2) if t <= per_node and gpus % t == 0]
+        tp = next((t for t in splits if not cls.parallel_problems(workload.model.args, t, 1)), 1)
         if tp > 1:
             layouts.append(Layout("hybrid", dp_shard=gpus // tp, tp=tp))
         pp = nodes if nodes > 1 else 2
@@ -177,12 +182,8 @@ def best_option(
 
 
 def spec_problem(workload: Workload, values: dict[str, Any]) -> str | None:
-    """What the workload's own checks say of it with these values (pipelines need untied
-    embeddings, TP needs heads divisible by its degree...), or None."""
-    from shoal.spec.checks import check_batches, check_model, check_parallel
-    from shoal.spec.loader import Source
-    from shoal.spec.sweep import with_values
-
+    """What the workload's own checks say of it with these values (the model's objections to
+    a tp or pp degree, batches that do not split...), or None."""
     candidate = Workload.model_validate(with_values(workload.resolved(), values))
     source = Source("plan")
     task, issues = check_model(candidate, source)
@@ -207,8 +208,6 @@ def check_arguments(gpu_key: str, gpus: int, nodes: int, interconnect: str | Non
 def make_plan(
     workload: Workload, gpu_key: str, gpus: int, nodes: int = 1, interconnect: str | None = None
 ) -> Plan:
-    from shoal.worker.batching import global_batch_size
-
     link = check_arguments(gpu_key, gpus, nodes, interconnect)
     gpu = CATALOG[gpu_key]
     cost = model_cost(workload, workload.train.precision)
@@ -252,10 +251,6 @@ def option_values(option: Option, gpus: int, global_batch: int) -> dict[str, Any
 
 def planned_yaml(source_file: str, overrides: list[str], plan: Plan) -> str:
     """The user's YAML (with its --set) and the plan's choice applied, as YAML text."""
-    import yaml
-
-    from shoal.spec.loader import apply_overrides, read_yaml, validate_data
-
     raw, source = read_yaml(source_file)
     apply_overrides(raw, overrides, source)
     for path, value in recommended_values(plan).items():

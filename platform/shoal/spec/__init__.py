@@ -5,8 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from shoal.data import DataPlan
-from shoal.spec.checks import run_checks
+from shoal.data import DataError, DataPlan, plan_data
+from shoal.spec.checks import (
+    check_batches,
+    check_checkpoint,
+    check_model,
+    check_parallel,
+    check_precision,
+    check_storage,
+)
 from shoal.spec.loader import (
     Source,
     SpecError,
@@ -16,6 +23,7 @@ from shoal.spec.loader import (
     validate_data,
 )
 from shoal.spec.schema import Workload
+from shoal.spec.sweep import check_sweep
 
 
 @dataclass
@@ -23,6 +31,24 @@ class LoadedWorkload:
     workload: Workload
     source: Source
     data: DataPlan | None
+
+
+def run_checks(
+    workload: Workload, source: Source, prepare_data: bool = False
+) -> tuple[DataPlan | None, list[SpecIssue]]:
+    """Every check of spec/checks.py and spec/sweep.py, and the data plan when the model is known."""
+    issues = check_batches(workload, source) + check_storage(workload, source)
+    issues += check_checkpoint(workload, source) + check_sweep(workload, source)
+    task, model_issues = check_model(workload, source)
+    issues += model_issues + check_parallel(workload, source, task) + check_precision(workload, source)
+    plan = None
+    if task is not None:
+        data = workload.data.model_dump(mode="json")
+        try:
+            plan = plan_data(data, workload.model.model_dump(), task, prepare_builtin=prepare_data)
+        except DataError as exc:
+            issues.append(SpecIssue(source.where(exc.path), exc.path, str(exc)))
+    return plan, issues
 
 
 def load(

@@ -9,13 +9,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from shoal.data import DataError, DataPlan, plan_data
-from shoal.models import ModelError, check_args, model_class, model_task
+from shoal.degrees import DegreeError, Degrees
+from shoal.models import ModelError, ParallelModel, check_args, model_class, model_task
 from shoal.spec.loader import Source, SpecIssue
 from shoal.spec.schema import Workload
-from shoal.spec.sweep import VALUE_METRICS, check_sweep
-from shoal.worker.parallel.dims import DegreeError, resolve_degrees
-from shoal.worker.parallel.pipeline import stages_per_rank
+
+VALUE_METRICS = ("train/loss", "val/loss", "val/accuracy")  # what keep_best and sweeps may compare
 
 
 def _issue(source: Source, path: str, message: str) -> SpecIssue:
@@ -86,7 +85,7 @@ def check_parallel(workload: Workload, source: Source, task: str | None) -> list
     issues, resolved = [], []
     for world in sorted(set(workload.scaling.worker_range())):
         try:
-            resolved.append(resolve_degrees(parallel, world))
+            resolved.append(Degrees.resolve(parallel, world))
         except DegreeError as exc:
             issues.append(_issue(source, "parallel", f"{exc} (scaling.workers: {world})"))
     if issues or task is None:
@@ -94,65 +93,47 @@ def check_parallel(workload: Workload, source: Source, task: str | None) -> list
     return [_issue(source, path, message) for path, message in _split_problems(workload, resolved)]
 
 
-def _split_problems(workload: Workload, resolved: list[dict[str, int]]) -> list[tuple[str, str]]:
-    model, parallel, train = workload.model, workload.parallel, workload.train
-    tp, pp = max(d["tp"] for d in resolved), max(d["pp"] for d in resolved)
-    problems = []
-    if (tp > 1 or pp > 1) and model.family != "gpt":
+def _split_problems(workload: Workload, resolved: list[Degrees]) -> list[tuple[str, str]]:
+    """The model's own objections to the largest tp and pp degrees, then the pipeline's."""
+    model = workload.model
+    tp, pp = max(d.tp for d in resolved), max(d.pp for d in resolved)
+    if tp == 1 and pp == 1:
+        return []
+    cls = model_class(model.family, model.target)
+    if not issubclass(cls, ParallelModel):
         name = model.family or model.target
-        problems.append(("parallel", f"model '{name}' supports ddp, fsdp and hsdp only (tp={tp}, pp={pp})"))
-        return problems
-    args = {**_gpt_defaults(), **model.args}
-    if tp > 1 and args["n_heads"] % tp:
+        return [("parallel", f"model '{name}' supports ddp, fsdp and hsdp only (tp={tp}, pp={pp})")]
+    stages = max(d.pipeline_stages(workload.parallel.pp_schedule) for d in resolved)
+    return cls.parallel_problems(model.args, tp, stages) + _pipeline_problems(workload, tp, pp, stages)
+
+
+def _pipeline_problems(workload: Workload, tp: int, pp: int, stages: int) -> list[tuple[str, str]]:
+    parallel, train = workload.parallel, workload.train
+    if pp == 1:
+        return []
+    problems = []
+    microbatches = parallel.microbatches or stages
+    rows = workload.data.batch_size * tp * pp
+    if rows % microbatches:
         problems.append(
-            ("parallel.tp", f"model.args.n_heads ({args['n_heads']}) is not divisible by tp ({tp})")
+            (
+                "parallel.microbatches",
+                f"{microbatches} does not divide the pipeline batch of "
+                f"{rows} rows (data.batch_size x tp x pp)",
+            )
         )
-    if pp > 1:
-        stages = pp * stages_per_rank(parallel.pp_schedule)
-        if args["n_layers"] < stages:
-            problems.append(
-                (
-                    "parallel.pp",
-                    f"{stages} pipeline stages need at least {stages} layers "
-                    f"(model.args.n_layers is {args['n_layers']})",
-                )
+    if microbatches < stages and parallel.pp_schedule != "gpipe":
+        problems.append(
+            (
+                "parallel.microbatches",
+                f"{parallel.pp_schedule} needs at least as many microbatches as stages ({stages})",
             )
-        if args.get("tie_embeddings", True):
-            problems.append(
-                (
-                    "model.args",
-                    "pipeline parallelism needs tie_embeddings: false "
-                    "(the embedding and the head live on different stages)",
-                )
-            )
-        microbatches = parallel.microbatches or stages
-        rows = workload.data.batch_size * tp * pp
-        if rows % microbatches:
-            problems.append(
-                (
-                    "parallel.microbatches",
-                    f"{microbatches} does not divide the pipeline batch of "
-                    f"{rows} rows (data.batch_size x tp x pp)",
-                )
-            )
-        if microbatches < stages and parallel.pp_schedule != "gpipe":
-            problems.append(
-                (
-                    "parallel.microbatches",
-                    f"{parallel.pp_schedule} needs at least as many microbatches as stages ({stages})",
-                )
-            )
-        if train.precision == "fp16":
-            problems.append(
-                ("train.precision", "fp16 loss scaling is not supported with pipeline parallelism; use bf16")
-            )
+        )
+    if train.precision == "fp16":
+        problems.append(
+            ("train.precision", "fp16 loss scaling is not supported with pipeline parallelism; use bf16")
+        )
     return problems
-
-
-def _gpt_defaults() -> dict:
-    import inspect
-
-    return {k: p.default for k, p in inspect.signature(model_class("gpt", None)).parameters.items()}
 
 
 def check_precision(workload: Workload, source: Source) -> list[SpecIssue]:
@@ -190,20 +171,3 @@ def check_storage(workload: Workload, source: Source) -> list[SpecIssue]:
     if not os.access(probe, os.W_OK):
         return [_issue(source, "checkpoint.storage", f"'{storage}' is not writable")]
     return []
-
-
-def run_checks(
-    workload: Workload, source: Source, prepare_data: bool = False
-) -> tuple[DataPlan | None, list[SpecIssue]]:
-    issues = check_batches(workload, source) + check_storage(workload, source)
-    issues += check_checkpoint(workload, source) + check_sweep(workload, source)
-    task, model_issues = check_model(workload, source)
-    issues += model_issues + check_parallel(workload, source, task) + check_precision(workload, source)
-    plan = None
-    if task is not None:
-        data = workload.data.model_dump(mode="json")
-        try:
-            plan = plan_data(data, workload.model.model_dump(), task, prepare_builtin=prepare_data)
-        except DataError as exc:
-            issues.append(_issue(source, exc.path, str(exc)))
-    return plan, issues

@@ -149,7 +149,7 @@ def _fields_at(loc: tuple[Any, ...]) -> list[str]:
     return [f.alias or name for name, f in model.model_fields.items()]
 
 
-def _describe(error: dict[str, Any]) -> str:
+def describe_error(error: dict[str, Any]) -> str:
     kind, ctx, got = error["type"], error.get("ctx", {}), error.get("input")
     if kind == "extra_forbidden":
         name = str(error["loc"][-1])
@@ -206,7 +206,7 @@ def _issues_from(exc: ValidationError, source: Source) -> list[SpecIssue]:
             continue  # the deeper error inside this mapping says more
         # A union reports once per member: for a mapping, the mapping member's error is the one.
         fitting = [e for e in errors if not isinstance(e.get("input"), dict) or "type" not in e["type"]]
-        issues.append(SpecIssue(source.where(path), path, _describe((fitting or errors)[0])))
+        issues.append(SpecIssue(source.where(path), path, describe_error((fitting or errors)[0])))
     return issues
 
 

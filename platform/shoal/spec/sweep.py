@@ -13,10 +13,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from shoal.spec.loader import Source, SpecIssue, _describe
+from shoal.spec.checks import VALUE_METRICS, check_batches
+from shoal.spec.loader import Source, SpecIssue, describe_error
 from shoal.spec.schema import SweepSpec, Workload
 
-VALUE_METRICS = ("train/loss", "val/loss", "val/accuracy")
 NOT_SEARCHABLE = ("name", "sweep", "tracking", "monitor", "checkpoint.storage", "checkpoint.endpoint")
 FREE_FORM = ("model.args",)  # a model's own arguments: any key the model accepts
 
@@ -46,12 +46,10 @@ def _path_exists(resolved: dict[str, Any], path: str) -> bool:
 
 
 def _value_problem(resolved: dict[str, Any], path: str, value: Any) -> str | None:
-    from shoal.spec.checks import check_batches
-
     try:
         trial = Workload.model_validate(with_values(resolved, {path: value}))
     except ValidationError as exc:
-        return _describe(exc.errors()[0])
+        return describe_error(exc.errors()[0])
     batches = check_batches(trial, Source("trial"))
     return batches[0].message if batches else None
 

@@ -15,12 +15,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from shoal.degrees import stages_per_rank
 from shoal.models import build_model, count_parameters
 from shoal.spec.schema import OptimizerSpec, Workload
 from shoal.worker.optim import build_optimizer, build_scheduler
 from shoal.worker.parallel.dims import ParallelDims
 from shoal.worker.parallel.parallelize import parallelize
-from shoal.worker.parallel.pipeline import Pipeline, stage_indices, stage_module, stages_per_rank
+from shoal.worker.parallel.pipeline import Pipeline, stage_indices, stage_module
 from shoal.worker.precision import Precision
 from shoal.worker.runtime import seed_everything
 from shoal.worker.steps import forward_loss

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from shoal.errors import ShoalError
+from shoal.models.protocol import ParallelModel
 
 FP8_CAPABILITY = (8, 9)
 
@@ -49,14 +50,16 @@ class Precision:
             require_fp8()
 
     def prepare(self, model: nn.Module) -> None:
-        """Before parallelisation: swap Linear layers for float8 training ones (fp8 only)."""
+        """Before parallelisation: swap Linear layers for float8 training ones (fp8 only); a
+        ParallelModel chooses which (models/protocol.py), any other model converts them all."""
         if self.name != "fp8":
             return
-        try:
+        try:  # optional (shoal[fp8]), so imported only when fp8 is asked for
             from torchao.float8 import convert_to_float8_training
         except ImportError as exc:
             raise PrecisionError("train.precision fp8 needs torchao: pip install 'shoal[fp8]'") from exc
-        convert_to_float8_training(model, module_filter_fn=lambda module, fqn: "lm_head" not in fqn)
+        keep = model.fp8_filter if isinstance(model, ParallelModel) else None
+        convert_to_float8_training(model, module_filter_fn=keep)
 
     def autocast(self) -> Any:
         if self.autocast_dtype is None:

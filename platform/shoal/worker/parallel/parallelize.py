@@ -1,39 +1,32 @@
 """One function applies every parallelism to a model, always in this order:
 tensor parallel -> activation checkpointing -> compile -> FSDP (or DDP).
 
-Tensor parallelism shards the GPT's attention and MLP projections (Megatron
-style: q/k/v and up are column-wise, out and down row-wise); embeddings, norms
-and the head stay replicated. FSDP wraps each block, then the root.
+Tensor parallelism follows the model's own plan (models/protocol.py's
+ParallelModel). Activation checkpointing, compile and FSDP go block by block
+when the model keeps its repeated layers in a `blocks` ModuleDict; FSDP wraps
+each block, then the root.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor.parallel import parallelize_module
+from torch.nn.parallel import DistributedDataParallel
 
-
-def tensor_parallel_plan() -> dict[str, Any]:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    return {
-        "attn.q": ColwiseParallel(),
-        "attn.k": ColwiseParallel(),
-        "attn.v": ColwiseParallel(),
-        "attn.out": RowwiseParallel(),
-        "mlp.up": ColwiseParallel(),
-        "mlp.down": RowwiseParallel(),
-    }
+from shoal.models.protocol import ParallelModel
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: Any) -> None:
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    plan = tensor_parallel_plan()
-    for block in model.blocks.values():
-        parallelize_module(block, tp_mesh, plan)
+    if not isinstance(model, ParallelModel):
+        raise TypeError(f"{type(model).__name__} has no tensor-parallel plan (models/protocol.py)")
+    parallelize_module(model, tp_mesh, model.tensor_parallel_plan())
 
 
 def _blocks(model: nn.Module) -> dict[str, nn.Module] | None:
@@ -43,8 +36,6 @@ def _blocks(model: nn.Module) -> dict[str, nn.Module] | None:
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
     """full: every block recomputes its activations in backward; selective: every other block."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
     blocks = _blocks(model)
     if mode == "none" or blocks is None:
         return
@@ -55,8 +46,6 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
 
 def apply_compile(model: nn.Module, cache_dir: str | None) -> None:
     """torch.compile each block in place (names unchanged, so checkpoints still match)."""
-    import os
-
     if cache_dir:
         Path(cache_dir).mkdir(parents=True, exist_ok=True)
         # Set, not setdefault: inductor writes its default into the environment on first use.
@@ -67,8 +56,6 @@ def apply_compile(model: nn.Module, cache_dir: str | None) -> None:
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: Any, param_dtype: torch.dtype | None) -> None:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     blocks = _blocks(model)
     for block in blocks.values() if blocks is not None else []:
@@ -95,8 +82,6 @@ def parallelize(
     if dims.uses_fsdp:
         apply_fsdp(model, mesh["dp_replicate", "dp_shard"], fsdp_param_dtype)
     elif dims.uses_ddp:
-        from torch.nn.parallel import DistributedDataParallel
-
         device_ids = [device.index] if device.type == "cuda" else None
         model = DistributedDataParallel(model, device_ids=device_ids)
     return model

@@ -1,50 +1,28 @@
-"""Pipeline parallelism for the GPT: stages by layers, and the schedules that run them.
+"""Pipeline parallelism: a model's stages, and the schedules that run them.
 
-Stage s of S holds a contiguous run of blocks under their original names, so a
-checkpoint written with pipelining loads without it and the other way round.
-The first stage also holds the embeddings, the last the final norm and head.
-With `interleaved_1f1b`, each rank holds two stages: s and s + pp.
+The model cuts itself into stages (models/protocol.py's ParallelModel), each
+keeping its parameters under their original names, so a checkpoint written with
+pipelining loads without it and the other way round. With `interleaved_1f1b`,
+each rank holds two stages: s and s + pp.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-
-def stages_per_rank(schedule: str) -> int:
-    return 2 if schedule == "interleaved_1f1b" else 1
-
-
-def layer_ranges(n_layers: int, num_stages: int) -> list[range]:
-    """Contiguous, as-even-as-possible runs of layers; earlier stages get the extra ones."""
-    base, extra = divmod(n_layers, num_stages)
-    ranges, start = [], 0
-    for stage in range(num_stages):
-        size = base + (1 if stage < extra else 0)
-        ranges.append(range(start, start + size))
-        start += size
-    return ranges
+from shoal.degrees import stages_per_rank
+from shoal.models.protocol import ParallelModel
 
 
 def stage_module(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
     """A copy of the model keeping only what stage `stage` computes."""
-    part = copy.deepcopy(model)
-    keep = {str(i) for i in layer_ranges(len(model.blocks), num_stages)[stage]}
-    for name in list(part.blocks.keys()):
-        if name not in keep:
-            del part.blocks[name]
-    if stage > 0:
-        part.token_embedding = None
-        part.position_embedding = None
-    if stage < num_stages - 1:
-        part.final_norm = None
-        part.lm_head = None
-    return part
+    if not isinstance(model, ParallelModel):
+        raise TypeError(f"{type(model).__name__} cannot be cut into pipeline stages (models/protocol.py)")
+    return model.pipeline_stage(stage, num_stages)
 
 
 def stage_indices(pp_rank: int, pp: int, schedule: str) -> list[int]:
@@ -54,6 +32,8 @@ def stage_indices(pp_rank: int, pp: int, schedule: str) -> list[int]:
 def build_schedule(
     stages: list[Any], schedule: str, microbatches: int, loss_fn: Callable[..., torch.Tensor]
 ) -> Any:
+    # Lazy (here and in Pipeline): torch.distributed.pipelining takes most of a second to
+    # import, and only pp > 1 needs it.
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     if schedule == "interleaved_1f1b":
@@ -76,7 +56,7 @@ class Pipeline:
         microbatches: int,
         loss_fn: Callable[..., torch.Tensor],
     ):
-        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining import PipelineStage  # lazy: see build_schedule
 
         self.parts = parts
         self.has_first = 0 in indices
