@@ -28,6 +28,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.report import RECOVERY_SECTION as SECTION  # noqa: E402
 from bench.report import machine, summarise  # noqa: E402
+from shoal.messages import Metric  # noqa: E402
 from tests.integration.helpers import registered, shoal_cli, wait_for, worker_pid  # noqa: E402
 from tests.system.conftest import FAST_NODE_FAILURE  # noqa: E402
 
@@ -54,7 +55,7 @@ def step_seconds(workdir: Path, run_name: str) -> dict[int, float]:
     )
     return {
         m.step: ROWS_PER_STEP / m.value
-        for m in client.get_metric_history(run.info.run_id, "train/samples_per_s")
+        for m in client.get_metric_history(run.info.run_id, Metric.TRAIN_SAMPLES_PER_S)
     }
 
 

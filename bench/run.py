@@ -26,6 +26,7 @@ from bench.common import WARMUP_STEPS  # noqa: E402
 from bench.cpu_share import CpuSampler  # noqa: E402
 from bench.multinode import three_node_cluster  # noqa: E402
 from bench.report import RECOVERY_SECTION, machine, render  # noqa: E402
+from shoal.messages import Metric  # noqa: E402
 
 BIN = Path(sys.executable).parent
 
@@ -62,12 +63,12 @@ def shoal_result(workdir: Path, run_name: str, started: float) -> dict[str, floa
     (run,) = client.search_runs(
         [experiment.experiment_id], filter_string=f"tags.`shoal.run_name` = '{run_name}'"
     )
-    speed = client.get_metric_history(run.info.run_id, "train/tokens_per_s")
-    loss = client.get_metric_history(run.info.run_id, "train/loss")
+    speed = client.get_metric_history(run.info.run_id, Metric.TRAIN_TOKENS_PER_S)
+    loss = client.get_metric_history(run.info.run_id, Metric.TRAIN_LOSS)
     first = min(speed, key=lambda m: m.step)  # its timestamp is when step 1 ended, on the worker
     steady = [m.value for m in speed if m.step > WARMUP_STEPS + 1]
     window = [m.timestamp / 1000 for m in speed if m.step >= WARMUP_STEPS + 1]
-    wait = client.get_metric_history(run.info.run_id, "train/data_wait_share")
+    wait = client.get_metric_history(run.info.run_id, Metric.TRAIN_DATA_WAIT_SHARE)
     return {
         "tokens_per_s": statistics.median(steady),
         "first_step_s": first.timestamp / 1000 - started,

@@ -15,12 +15,10 @@ from rich.markup import escape
 
 from shoal.cli_options import SharedOptions
 from shoal.output import Col, FittedTable, Fold, print_json
+from shoal.plan.catalog import CATALOG, INTERCONNECTS
 
 
 def add_parsers(commands: Any, shared: SharedOptions) -> None:
-    from shoal.plan.catalog import CATALOG
-    from shoal.plan.planner import INTERCONNECTS
-
     plan = commands.add_parser(
         "plan",
         help="memory per GPU and the simplest layout that fits",
@@ -72,6 +70,7 @@ DOCTOR_STATUS = {"✓": "ok", "✗": "failed", "–": "not applicable"}
 
 
 def _option_data(plan: Any, option: Any) -> dict[str, Any]:
+    # deferred: shoal.plan imports torch and the model registry; `shoal --help` needs neither
     from shoal.plan.memory import estimate
 
     data = {
@@ -96,6 +95,7 @@ def _option_data(plan: Any, option: Any) -> dict[str, Any]:
 
 def _by_precision(plan: Any, workload: Any) -> list[dict[str, Any]]:
     """The recommended layout's peak at each precision (fp8 keeps bf16 activations)."""
+    # deferred: shoal.plan imports torch and the model registry; `shoal --help` needs neither
     from shoal.plan.memory import estimate
     from shoal.plan.planner import model_cost
 
@@ -190,6 +190,7 @@ def _print_plan(console: Console, data: dict[str, Any]) -> None:
 
 
 def cmd_plan(console: Console, args: argparse.Namespace) -> int:
+    # deferred: shoal.plan imports torch and the model registry; `shoal --help` needs neither
     from shoal.plan.planner import make_plan, planned_yaml
     from shoal.spec import load
 
@@ -214,6 +215,7 @@ def cmd_plan(console: Console, args: argparse.Namespace) -> int:
 
 
 def doctor_data(args: argparse.Namespace) -> list[dict[str, str]]:
+    # deferred: shoal.plan imports torch and the model registry; `shoal --help` needs neither
     from shoal.plan.doctor import run_checks
     from shoal.tracking import resolve_uri
 

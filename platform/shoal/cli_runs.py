@@ -59,6 +59,7 @@ def add_parser(commands: Any, shared: SharedOptions) -> None:
 
 
 def cmd_runs(console: Console, args: argparse.Namespace) -> int:
+    # deferred: the tracking layer imports MLflow (~2 s); `shoal --help` needs none of it
     from shoal.tracking import resolve_uri
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
@@ -99,6 +100,7 @@ def shown_time(iso: str | None) -> str:
 
 
 def list_data(uri: str, experiment: str | None, limit: int) -> list[dict[str, Any]]:
+    # deferred: the tracking layer imports MLflow (~2 s); `shoal --help` needs none of it
     from shoal.tracking.browse import HEADLINE, last_step, list_runs, run_name
 
     return [
@@ -133,6 +135,7 @@ def list_table(rows: list[dict[str, Any]], uri: str) -> FittedTable:
 
 def _checkpoints(details: RunDetails) -> tuple[list[str], str | None]:
     """The run's checkpoint paths, or why they cannot be listed."""
+    # deferred: the tracking layer imports MLflow (~2 s); `shoal --help` needs none of it
     from shoal.launch.storage import StorageError, open_storage
 
     if not details.run_dir:
@@ -146,6 +149,7 @@ def _checkpoints(details: RunDetails) -> tuple[list[str], str | None]:
 
 
 def show_data(uri: str, ref: str) -> dict[str, Any]:
+    # deferred: the tracking layer imports MLflow (~2 s); `shoal --help` needs none of it
     from shoal.tracking.browse import metric_keys, run_details
 
     details = run_details(uri, ref)
@@ -261,6 +265,7 @@ def _or_dash(attempt: dict[str, Any]) -> str:
 
 
 def compare_data(uri: str, refs: list[str]) -> list[dict[str, Any]]:
+    # deferred: the tracking layer imports MLflow (~2 s); `shoal --help` needs none of it
     from shoal.tracking.browse import differing_params, metric_keys, run_details
 
     found = [run_details(uri, ref) for ref in refs]

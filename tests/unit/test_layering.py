@@ -4,7 +4,8 @@ Every import counts, at module level or inside a function:
 - worker/ (what runs in the training processes) imports no launch/, tracking/ or CLI;
 - spec/ imports no worker/; data/ imports no launch/;
 - no module imports another module's private (underscore) names;
-- no import cycles between shoal modules.
+- no import cycles between shoal modules;
+- an import inside a function says why with a comment (start-up time, an optional library).
 """
 
 from __future__ import annotations
@@ -120,9 +121,30 @@ def cycles(imports: list[Import]) -> list[list[str]]:
     return groups
 
 
+def _says_why(lines: list[str], function: ast.FunctionDef | ast.AsyncFunctionDef, line: int) -> bool:
+    """A comment on the import's line or on one of the lines just above it, in the function."""
+    above = range(max(function.body[0].lineno, line - 3), line + 1)
+    return any("#" in lines[number - 1] for number in above) or lines[line - 2].strip().startswith("#")
+
+
+def uncommented_deferrals(root: Path) -> list[str]:
+    """Functions that import without a comment saying why the import is not at the top."""
+    found = []
+    for module, path in module_files(root).items():
+        text = path.read_text()
+        lines = text.splitlines()
+        for node in ast.walk(ast.parse(text, str(path))):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            inner = [n.lineno for n in ast.walk(node) if isinstance(n, (ast.Import, ast.ImportFrom))]
+            if inner and not _says_why(lines, node, min(inner)):
+                found.append(f"{module}:{min(inner)} imports inside {node.name}() without saying why")
+    return found
+
+
 def problems(root: Path) -> list[str]:
     imports = imports_of(root)
-    found = layer_violations(imports) + private_imports(imports)
+    found = layer_violations(imports) + private_imports(imports) + uncommented_deferrals(root)
     for group in cycles(imports):
         edges = [
             f"{i.importer}:{i.line} -> {i.target}" for i in imports if {i.importer, i.target} <= set(group)
@@ -168,6 +190,7 @@ def test_the_checker_finds_every_kind_of_violation(tmp_path: Path) -> None:
             """,
             "spec/sweep.py": "from shoal.spec.loader import _describe\n",
             "data/sources.py": "def plan():\n    from shoal.launch.run import go\n",
+            "data/parquet.py": "def read():\n    # deferred: only to read\n    import pyarrow\n",
         },
     )
     found = problems(root)
@@ -178,6 +201,7 @@ def test_the_checker_finds_every_kind_of_violation(tmp_path: Path) -> None:
         "shoal.spec.loader:2 imports shoal.worker.engine",
         "shoal.data.sources:2 imports shoal.launch.run",
         "shoal.spec.sweep:1 imports the private name _describe from shoal.spec.loader",
+        "shoal.data.sources:2 imports inside plan() without saying why",
         "import cycle between shoal.launch.run, shoal.spec.loader, shoal.worker.engine",
     ]
     for problem in expected:

@@ -88,6 +88,7 @@ def ray_session(
 ) -> Iterator[RaySession]:
     """Use the Ray already initialised in this process, attach to `address` (else $RAY_ADDRESS),
     or start one."""
+    # deferred: Ray loads when a cluster is used; `shoal runs show` imports launch/ and uses none
     import ray
 
     if ray.is_initialized():
@@ -140,6 +141,7 @@ def _pinned_address() -> dict[str, str]:
     process inherits the address. Ray Train's placement-group cleaner finds the cluster's State
     API through it; without, it follows /tmp/ray/ray_current_cluster, which `ray.init` does not
     write, to whatever cluster last wrote it, and placement groups of stopped trials leak."""
+    # deferred: Ray loads when a cluster is used; `shoal runs show` imports launch/ and uses none
     from ray.util import get_node_ip_address
 
     with socket.socket() as probe_socket:

@@ -8,16 +8,26 @@ the job's metadata then names it, and the run records the Ray job id.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shlex
+import shutil
 import socket
 import sys
+import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from mlflow.tracking import MlflowClient
+
 from shoal.errors import ShoalError
+from shoal.launch.run import default_run_name
+from shoal.spec import load
+from shoal.tracking import resolve_uri
+from shoal.tracking.mlflow_run import RUN_NAME_TAG
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 UPLOAD_EXCLUDES = [".venv", ".git", "shoal_runs", "mlflow.db", "mlruns", "__pycache__", "*.pyc"]
@@ -56,6 +66,7 @@ def client(address: str | None) -> Any:
     if "://" not in address:
         address = f"http://{address}"
     use_token_if_available()
+    # deferred: Ray loads when a cluster is contacted; `shoal run` imports this module, contacts none
     from ray.exceptions import AuthenticationError
     from ray.job_submission import JobSubmissionClient
 
@@ -79,9 +90,6 @@ def leave_job_working_dir() -> None:
     """
     if "RAY_JOB_CONFIG_JSON_ENV_VAR" not in os.environ:
         return
-    import shutil
-    import tempfile
-
     private = Path(tempfile.mkdtemp(prefix="shoal-job-")) / "working_dir"
     shutil.copytree(os.getcwd(), private, symlinks=True)
     os.chdir(private)
@@ -107,10 +115,6 @@ class Submission:
 
 
 def _precreate_run(uri: str, experiment: str, run_name: str, job_tags: dict[str, str]) -> str | None:
-    from mlflow.tracking import MlflowClient
-
-    from shoal.tracking.mlflow_run import RUN_NAME_TAG
-
     mlflow = MlflowClient(tracking_uri=uri)
     found = mlflow.get_experiment_by_name(experiment)
     experiment_id = found.experiment_id if found else mlflow.create_experiment(experiment)
@@ -127,10 +131,6 @@ def submit(
     python: str | None,
 ) -> Submission:
     """Validate here, make the MLflow run, upload the working directory and start `shoal run`."""
-    from shoal.launch.run import default_run_name
-    from shoal.spec import load
-    from shoal.tracking import resolve_uri
-
     loaded = load(file, overrides)  # bad input fails here, before anything is uploaded
     root = Path(working_dir or os.getcwd()).resolve()
     spec_path = Path(file).resolve()
@@ -169,8 +169,6 @@ def submit(
         metadata=metadata,
     )
     if run_id:
-        from mlflow.tracking import MlflowClient
-
         MlflowClient(tracking_uri=uri).set_tag(run_id, "shoal.ray_job_id", job_id)
     return Submission(job_id, run_name, run_id, uri, warning)
 
@@ -182,9 +180,6 @@ async def _follow(jobs: Any, job_id: str, write: Any) -> None:
 
 def follow(jobs: Any, job_id: str, write: Any = sys.stdout.write) -> str:
     """Stream a job's logs until it ends; its final status."""
-    import asyncio
-    import time
-
     asyncio.run(_follow(jobs, job_id, write))
     for _ in range(60):  # the log stream ends a moment before the status is final
         status = str(jobs.get_job_status(job_id).value)
@@ -195,8 +190,6 @@ def follow(jobs: Any, job_id: str, write: Any = sys.stdout.write) -> str:
 
 
 def stop(jobs: Any, job_id: str, wait_s: float = STOP_WAIT_S + 30) -> str:
-    import time
-
     info(jobs, job_id)
     jobs.stop_job(job_id)
     deadline = time.monotonic() + wait_s

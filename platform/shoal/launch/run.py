@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -106,8 +107,6 @@ def fit_interruptibly(trainer: Any) -> None:
 
 def ray_job_tags() -> dict[str, str]:
     """The Ray job this driver runs in, when `shoal submit` started it."""
-    import json
-
     config = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
     job_id = json.loads(config).get("metadata", {}).get("job_submission_id") if config else None
     return {"shoal.ray_job_id": job_id} if job_id else {}
@@ -148,6 +147,7 @@ def _worker_config(loaded: LoadedWorkload, run_dir: Path, options: RunOptions) -
 def data_config() -> Any:
     """Every worker reads the whole training set in one fixed order (see worker/stream.py:
     that is what makes data exactly-once across restarts and resizes); val is split."""
+    # deferred: Ray loads when a run starts; `shoal submit` and `runs show` import launch/, start none
     import ray.data
     import ray.train
 
@@ -158,6 +158,7 @@ def data_config() -> Any:
 def _trainer(
     loaded: LoadedWorkload, run_name: str, storage: Storage, config: WorkerConfig, queue: Any, local: bool
 ):
+    # deferred: Ray loads when a run starts; `shoal submit` and `runs show` import launch/, start none
     import ray.train
     from ray.train.torch import TorchTrainer
 
@@ -197,6 +198,7 @@ def _trainer(
 
 
 def _check_resources(loaded: LoadedWorkload, session: Any) -> None:
+    # deferred: Ray loads when a run starts; `shoal submit` and `runs show` import launch/, start none
     import ray
 
     gpus = loaded.workload.scaling.gpus_per_worker
@@ -236,6 +238,7 @@ def run(
     loaded: LoadedWorkload, options: RunOptions | None = None, observer: Observer | None = None
 ) -> RunResult:
     """Train a workload to completion (or failure); resumes a run name that has checkpoints."""
+    # deferred: Ray loads when a run starts; `shoal submit` and `runs show` import launch/, start none
     from ray.train import TrainingFailedError
     from ray.util.queue import Queue
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 TERA = 1e12
+INTERCONNECTS = ("pcie", "nvlink", "ib")  # between GPUs: in a node (pcie, nvlink), across nodes (ib)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from shoal.data.sources import parquet_files
 from shoal.errors import ShoalError
 from shoal.models import ParallelModel, model_class, model_task
 from shoal.models.cost import ModelCost, trace_cost
-from shoal.plan.catalog import CATALOG, Gpu
+from shoal.plan.catalog import CATALOG, INTERCONNECTS, Gpu
 from shoal.plan.memory import Estimate, Layout, Training, estimate
 from shoal.spec.checks import check_batches, check_model, check_parallel
 from shoal.spec.loader import Source, apply_overrides, read_yaml, validate_data
@@ -31,7 +31,6 @@ from shoal.worker.batching import global_batch_size
 
 RESERVED_BYTES = 1.5e9  # CUDA context, NCCL buffers: not available to tensors
 USABLE_SHARE = 0.9  # allocator fragmentation and estimate error
-INTERCONNECTS = ("pcie", "nvlink", "ib")
 DIGITS_FEATURES = 64
 
 

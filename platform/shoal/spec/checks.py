@@ -10,11 +10,16 @@ import os
 from pathlib import Path
 
 from shoal.degrees import DegreeError, Degrees
+from shoal.messages import VAL_PREFIX, Metric
 from shoal.models import ModelError, ParallelModel, check_args, model_class, model_task
 from shoal.spec.loader import Source, SpecIssue
 from shoal.spec.schema import Workload
 
-VALUE_METRICS = ("train/loss", "val/loss", "val/accuracy")  # what keep_best and sweeps may compare
+VALUE_METRICS = (
+    Metric.TRAIN_LOSS,
+    Metric.VAL_LOSS,
+    Metric.VAL_ACCURACY,
+)  # what keep_best and sweeps may compare
 
 
 def _issue(source: Source, path: str, message: str) -> SpecIssue:
@@ -50,7 +55,7 @@ def check_checkpoint(workload: Workload, source: Source) -> list[SpecIssue]:
         allowed = ", ".join(VALUE_METRICS)
         return [_issue(source, "checkpoint.keep_best.metric", f"'{best.metric}' is not one of {allowed}")]
     evals = workload.train.eval_every
-    if best.metric.startswith("val/") and every and (not evals or every % evals):
+    if best.metric.startswith(VAL_PREFIX) and every and (not evals or every % evals):
         return [
             _issue(
                 source,

@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
 
+from shoal.messages import Metric
+
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
@@ -204,7 +206,7 @@ DOMAIN_KINDS = ("choice", "grid", "uniform", "loguniform", "randint")
 
 class SweepSpec(Section):
     space: dict[str, SearchDomain] = Field(min_length=1)  # dotted spec path -> domain
-    metric: str = "val/loss"
+    metric: str = Metric.VAL_LOSS.value
     mode: Literal["min", "max"] = "min"
     samples: PositiveInt = 8  # trials (with grids: repetitions of the whole grid)
     max_concurrent: PositiveInt = 2

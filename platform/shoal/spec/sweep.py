@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from shoal.messages import VAL_PREFIX
 from shoal.spec.checks import VALUE_METRICS, check_batches
 from shoal.spec.loader import Source, SpecIssue, describe_error
 from shoal.spec.schema import SweepSpec, Workload
@@ -103,7 +104,7 @@ def _pbt_issues(sweep: SweepSpec, workload: Workload, issue: Any) -> list[SpecIs
     every, evals = workload.checkpoint.every_steps, workload.train.eval_every
     if not every:
         return [issue("sweep.scheduler", "pbt copies checkpoints between trials: set checkpoint.every_steps")]
-    if sweep.metric.startswith("val/") and (not evals or every % evals):
+    if sweep.metric.startswith(VAL_PREFIX) and (not evals or every % evals):
         message = (
             f"pbt compares {sweep.metric} at checkpoints: make train.eval_every divide checkpoint.every_steps"
         )
@@ -127,7 +128,7 @@ def check_sweep(workload: Workload, source: Source) -> list[SpecIssue]:
                 source.where("sweep.metric"), "sweep.metric", f"'{sweep.metric}' is not one of {allowed}"
             )
         ]
-    if sweep.metric.startswith("val/") and workload.data.train is not None and workload.data.val is None:
+    if sweep.metric.startswith(VAL_PREFIX) and workload.data.train is not None and workload.data.val is None:
         message = f"{sweep.metric} needs validation data: set data.val or use train/loss"
         return [SpecIssue(source.where("sweep.metric"), "sweep.metric", message)]
     return _domain_issues(sweep, workload.resolved(), source) + _strategy_issues(sweep, workload, source)

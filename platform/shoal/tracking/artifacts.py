@@ -33,6 +33,7 @@ class TensorBoard:
     TensorBoard event files through tensorboardX."""
 
     def __init__(self, logdir: Path):
+        # deferred: tensorboardX loads only when tracking.tensorboard is on
         from tensorboardX import SummaryWriter
 
         self.logdir = logdir
@@ -56,6 +57,7 @@ def plot_run(series: dict[str, list[tuple[int, float]]], title: str, path: Path)
     """Loss (train and val) and throughput against step, as a PNG; None without data."""
     if not series.get(Metric.TRAIN_LOSS):
         return None
+    # deferred: matplotlib loads only to draw the end-of-run plot
     import matplotlib
 
     matplotlib.use("Agg")

@@ -10,6 +10,7 @@ from typing import Any
 from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 
+from shoal.messages import PER_RANK_PREFIXES, EventKind, Metric
 from shoal.tracking.mlflow_run import (
     RUN_DIR_TAG,
     RUN_NAME_TAG,
@@ -19,7 +20,13 @@ from shoal.tracking.mlflow_run import (
 )
 
 RUN_ID = re.compile(r"^[0-9a-f]{32}$")
-HEADLINE = ("train/loss", "val/loss", "val/accuracy", "train/samples_per_s", "perf/mfu")
+HEADLINE = (
+    Metric.TRAIN_LOSS,
+    Metric.VAL_LOSS,
+    Metric.VAL_ACCURACY,
+    Metric.TRAIN_SAMPLES_PER_S,
+    Metric.PERF_MFU,
+)
 
 
 @dataclass
@@ -38,7 +45,7 @@ class RunDetails:
 
     @property
     def attempts(self) -> list[dict[str, Any]]:
-        return [e for e in self.events if e["kind"] == "attempt_started"]
+        return [e for e in self.events if e["kind"] == EventKind.ATTEMPT_STARTED]
 
     @property
     def run_dir(self) -> str | None:
@@ -53,7 +60,7 @@ def run_name(run: Run) -> str:
 def last_step(run: Run) -> int:
     """The step of the run's latest train/loss point (0 before the first step)."""
     # The latest metrics carry their steps only in RunData's public proto form.
-    return max((m.step for m in run.data.to_proto().metrics if m.key == "train/loss"), default=0)
+    return max((m.step for m in run.data.to_proto().metrics if m.key == Metric.TRAIN_LOSS), default=0)
 
 
 def list_runs(uri: str, experiment: str | None = None, limit: int = 50) -> list[tuple[Run, str]]:
@@ -115,5 +122,5 @@ def differing_params(runs: list[Run]) -> list[str]:
 def metric_keys(runs: list[Run]) -> list[str]:
     """The headline metrics first, then every other final metric some run has."""
     present = {k for r in runs for k in r.data.metrics}
-    rest = sorted(k for k in present if k not in HEADLINE and not k.startswith(("worker/", "gpu/")))
+    rest = sorted(k for k in present if k not in HEADLINE and not k.startswith(PER_RANK_PREFIXES))
     return [k for k in HEADLINE if k in present] + rest

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import requests
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
@@ -83,6 +84,7 @@ def git_commit(cwd: str | None = None) -> str | None:
 
 
 def version_tags() -> dict[str, str]:
+    # deferred: the tracking layer stays torch- and Ray-free; only their versions are read here
     import mlflow
     import ray
     import torch
@@ -203,8 +205,6 @@ def read_json_artifact(client: MlflowClient, run_id: str, name: str) -> Any:
 def is_unreachable(exc: BaseException) -> bool:
     """Whether a failed MLflow call means the store cannot be reached (worth retrying),
     rather than that it refused the request."""
-    import requests
-
     if isinstance(exc, (requests.exceptions.ConnectionError, requests.exceptions.Timeout, ConnectionError)):
         return True
     if isinstance(exc, MlflowException):

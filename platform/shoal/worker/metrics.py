@@ -80,6 +80,7 @@ class GpuReadings:
         if device.type != "cuda":
             return
         try:
+            # deferred: pynvml exists only where NVIDIA's driver library does; CPU runs never load it
             import pynvml
 
             pynvml.nvmlInit()

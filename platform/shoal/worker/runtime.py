@@ -13,6 +13,7 @@ from typing import IO
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 
 def pick_device(local_rank: int) -> torch.device:
@@ -93,8 +94,6 @@ class SampleAudit:
 
 def _shared_attempt_id() -> str:
     """One id for every rank of this attempt: rank 0's start time, broadcast."""
-    import torch.distributed as dist
-
     chosen = [f"{time.time():.6f}"]
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(chosen, src=0)

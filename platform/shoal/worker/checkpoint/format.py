@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow.fs as pafs
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
@@ -61,7 +62,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _fqn(flat_key: str) -> str:
-    """'state.blocks.0.attn.q.weight.exp_avg' -> 'blocks.0.attn.q.weight'."""
+    """'state.encoder.0.weight.exp_avg' (an optimizer state key) -> 'encoder.0.weight'."""
     return flat_key.split(".", 1)[1].rpartition(".")[0]
 
 
@@ -88,8 +89,6 @@ def checkpoint_name(step: int) -> str:
 
 def checkpoint_steps(filesystem: Any, directory: str) -> dict[str, int]:
     """The checkpoint directories under a run directory (any pyarrow filesystem), name -> step."""
-    import pyarrow.fs as pafs
-
     infos = filesystem.get_file_info(pafs.FileSelector(directory, allow_not_found=True))
     found = {}
     for info in infos:
