@@ -28,6 +28,7 @@ def test_defaults_fill_every_section() -> None:
     assert set(resolved) == {
         "name",
         "model",
+        "tokenizer",
         "data",
         "train",
         "parallel",
