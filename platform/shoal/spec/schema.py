@@ -181,7 +181,7 @@ class RegisterSpec(Section):
 class TrackingSpec(Section):
     experiment: str | None = None
     uri: str | None = None
-    register: RegisterSpec | None = None  # register the final model under this name
+    register_: RegisterSpec | None = Field(None, alias="register")  # the final model's registered name
 
 
 class TokenizerSpec(Section):
