@@ -114,7 +114,12 @@ def test_custom_uses_the_models_loss_and_keeps_its_0_dim_metrics(returns: str) -
 
 def test_custom_without_columns_passes_the_columns_the_forward_names() -> None:
     model = Regressor()
-    batch = {"features": torch.randn(3, 4), "target": torch.randn(3), "id": torch.arange(3), "extra": torch.ones(3)}
+    batch = {
+        "features": torch.randn(3, 4),
+        "target": torch.randn(3),
+        "id": torch.arange(3),
+        "extra": torch.ones(3),
+    }
     _, kwargs = Objective.build("custom", model, {}, None).inputs(batch)
     assert set(kwargs) == {"features", "target"}  # not id, not a column the forward does not take
     assert required_columns("custom", {}) == []
@@ -161,7 +166,9 @@ def test_lm_shifts_every_window_column_and_computes_next_token_cross_entropy() -
     result = objective.step(model, batch, CPU)
     assert model.seen["input_ids"].tolist() == [[1, 2, 3], [5, 6, 7]]
     assert model.seen["attention_mask"].shape == (2, 3)
-    expected = F.cross_entropy(model.embedding(tokens[:, :-1].long()).flatten(0, 1), tokens[:, 1:].long().flatten())
+    expected = F.cross_entropy(
+        model.embedding(tokens[:, :-1].long()).flatten(0, 1), tokens[:, 1:].long().flatten()
+    )
     assert torch.allclose(result.loss, expected)  # the model's own loss (7.0) is not used
     assert objective.predicted_tokens(batch) == 3
 
@@ -175,12 +182,16 @@ def test_an_lm_returning_only_a_loss_trains_on_that_loss() -> None:
 def test_the_default_lm_call_is_todays() -> None:
     model = build_model({"family": "gpt", "args": {"n_layers": 1, "d_model": 16, "n_heads": 2, "seq_len": 8}})
     tokens = torch.randint(0, 256, (2, 9))
-    result = Objective.build("lm", model, {}, None).step(model, {"tokens": tokens, "id": torch.arange(2)}, CPU)
+    result = Objective.build("lm", model, {}, None).step(
+        model, {"tokens": tokens, "id": torch.arange(2)}, CPU
+    )
     logits = model(tokens[:, :-1])
     assert torch.allclose(result.loss, F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()))
 
 
-def test_model_loss_computes_the_loss_from_outputs_and_batch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_model_loss_computes_the_loss_from_outputs_and_batch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     (tmp_path / "my_losses.py").write_text(
         "import torch\n"
         "def huber(outputs, batch):\n"
@@ -249,5 +260,97 @@ def test_loss_per_sample_of_a_uniform_model_is_log_vocab() -> None:
             return torch.zeros(*tokens.shape, 256, requires_grad=True)
 
     model = Uniform()
-    result = Objective.build("lm", model, {}, None).step(model, {"tokens": torch.randint(0, 256, (3, 9))}, CPU)
+    result = Objective.build("lm", model, {}, None).step(
+        model, {"tokens": torch.randint(0, 256, (3, 9))}, CPU
+    )
     assert result.loss.item() == pytest.approx(math.log(256))
+
+
+# -- the model's metrics over two ranks (the real Trainer on LocalContext) ------------------
+
+ID_MODEL = (
+    "import torch, torch.distributed as dist\n"
+    "class IdNet(torch.nn.Module):\n"
+    "    def __init__(self, odd_rank_metric=False):\n"
+    "        super().__init__()\n"
+    "        self.fc = torch.nn.Linear(4, 1)\n"
+    "        self.odd_rank_metric = odd_rank_metric\n"
+    "    def forward(self, features, target, ids):\n"
+    "        error = self.fc(features).squeeze(-1) - target\n"
+    "        out = {'loss': (error ** 2).mean(), 'id_mean': ids.float().mean()}\n"
+    "        if self.odd_rank_metric and dist.get_rank() == 1:\n"
+    "            out['only_here'] = error.abs().mean()\n"
+    "        return out\n"
+)
+
+
+def _custom_rank(rank: int, port: int, tmp_path: Path, spec: dict) -> None:
+    import json
+    import os
+
+    import torch.distributed as dist
+
+    from shoal.spec.schema import Workload
+    from shoal.worker.config import WorkerConfig
+    from shoal.worker.loop import Trainer
+    from tests.unit.local_context import InMemoryShard, LocalContext
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    sys.path.insert(0, str(tmp_path))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    generator = torch.Generator().manual_seed(0)
+    rows = {"f": torch.randn(64, 4, generator=generator), "t": torch.randn(64, generator=generator)}
+    context = LocalContext(
+        tmp_path / "storage", {"train": InMemoryShard({**rows, "id": torch.arange(64)})}, rank, 2
+    )
+    config = WorkerConfig(Workload.model_validate(spec), "custom", False, str(tmp_path / "run"), 1e9, 1)
+    Trainer(config, context).run()
+    outcome = {"steps": context.step_records(), "fatal": context.events("fatal")}
+    (tmp_path / f"rank{rank}.json").write_text(json.dumps(outcome))
+    dist.destroy_process_group()
+
+
+def _two_rank_run(tmp_path: Path, odd_rank_metric: bool) -> list[dict]:
+    import json
+
+    import torch.multiprocessing as mp
+
+    from tests.unit.parallel_harness import free_port
+
+    (tmp_path / "id_net.py").write_text(ID_MODEL)
+    (tmp_path / "storage").mkdir()
+    spec = {
+        "name": "custom-ranks",
+        "model": {"target": "id_net:IdNet", "task": "custom", "args": {"odd_rank_metric": odd_rank_metric}},
+        "data": {
+            "train": {"path": "in-memory"},
+            "batch_size": 8,
+            "shuffle_buffer": 0,
+            "columns": {"f": "features", "t": "target", "id": "ids"},
+        },
+        "train": {"max_steps": 3, "optimizer": {"lr": 0.01}},
+        "scaling": {"workers": 2},
+    }
+    mp.start_processes(_custom_rank, args=(free_port(), tmp_path, spec), nprocs=2, join=True)
+    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def test_model_metrics_are_averaged_over_ranks_and_logged_as_train_metrics(tmp_path: Path) -> None:
+    ranks = _two_rank_run(tmp_path, odd_rank_metric=False)
+    for outcome in ranks:
+        steps = outcome["steps"]
+        # Step s trains rows 16(s-1)..16s-1 in order, 8 on each rank: the mean id over both ranks.
+        assert [record["train/id_mean"] for record in steps] == [7.5, 23.5, 39.5]
+        assert all(math.isfinite(record["train/loss"]) for record in steps)
+
+
+def test_ranks_whose_models_return_different_metrics_stop_together(tmp_path: Path) -> None:
+    ranks = _two_rank_run(tmp_path, odd_rank_metric=True)
+    for outcome in ranks:
+        (fatal,) = outcome["fatal"]
+        assert fatal["reason"] == (
+            "the model returned different metrics on different ranks in training "
+            "(rank 0: ['id_mean']; rank 1: ['id_mean', 'only_here'])"
+        )
+        assert outcome["steps"] == []

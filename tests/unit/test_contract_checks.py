@@ -103,7 +103,9 @@ def test_without_columns_a_custom_model_names_the_file(user_dir: Path, capsys: p
     (user_dir / "reg_names.py").write_text(REGRESSOR)
     code, err = validate(user_dir, capsys, spec("reg_names"))  # the data has f and t, not features/target
     assert code == EXIT_USAGE and len(err) == 2
-    assert "error: data.train.path: forward(features (required), target (required)) needs 'features'" in err[0]
+    assert (
+        "error: data.train.path: forward(features (required), target (required)) needs 'features'" in err[0]
+    )
     assert "part-0.parquet' has columns ['id', 'f', 't']" in err[0]
 
 
@@ -111,7 +113,9 @@ def test_a_shape_error_in_the_forward_is_one_issue_from_the_meta_trace(
     user_dir: Path, capsys: pytest.CaptureFixture
 ) -> None:
     (user_dir / "reg_shape.py").write_text(REGRESSOR)
-    data = spec("reg_shape", model={"args": {"features": 7}}, data={"columns": {"f": "features", "t": "target"}})
+    data = spec(
+        "reg_shape", model={"args": {"features": 7}}, data={"columns": {"f": "features", "t": "target"}}
+    )
     code, err = validate(user_dir, capsys, data)
     assert code == EXIT_USAGE and len(err) == 1
     assert err[0].startswith(
@@ -128,14 +132,22 @@ def test_a_metric_named_like_shoals_own_is_refused(user_dir: Path, capsys: pytes
     assert err == ["error: model: metric name 'lr' is shoal's own (train/lr); rename it"]
 
 
-def test_a_model_that_only_fails_on_meta_is_not_refused(user_dir: Path, capsys: pytest.CaptureFixture) -> None:
-    data_dependent = REGRESSOR.replace("        error =", "        float(target.sum().item())\n        error =")
+def test_a_model_that_only_fails_on_meta_is_not_refused(
+    user_dir: Path, capsys: pytest.CaptureFixture
+) -> None:
+    data_dependent = REGRESSOR.replace(
+        "        error =", "        float(target.sum().item())\n        error ="
+    )
     (user_dir / "reg_item.py").write_text(data_dependent)
-    code, err = validate(user_dir, capsys, spec("reg_item", data={"columns": {"f": "features", "t": "target"}}))
+    code, err = validate(
+        user_dir, capsys, spec("reg_item", data={"columns": {"f": "features", "t": "target"}})
+    )
     assert (code, err) == (0, [])
 
 
-def test_a_custom_task_is_refused_with_pipeline_parallelism(user_dir: Path, capsys: pytest.CaptureFixture) -> None:
+def test_a_custom_task_is_refused_with_pipeline_parallelism(
+    user_dir: Path, capsys: pytest.CaptureFixture
+) -> None:
     (user_dir / "reg_pp.py").write_text(REGRESSOR)
     data = spec(
         "reg_pp",
@@ -165,7 +177,9 @@ def test_a_language_model_without_any_window_length_is_one_clear_error(
     assert validate(tmp_path, capsys, data) == (0, [])
 
 
-def test_a_user_lm_without_a_seq_len_argument_validates(user_dir: Path, capsys: pytest.CaptureFixture) -> None:
+def test_a_user_lm_without_a_seq_len_argument_validates(
+    user_dir: Path, capsys: pytest.CaptureFixture
+) -> None:
     (user_dir / "byte_lm.py").write_text(
         "import torch\n"
         "class Regressor(torch.nn.Module):\n"
@@ -186,6 +200,8 @@ def test_a_user_lm_without_a_seq_len_argument_validates(user_dir: Path, capsys: 
 
 
 def test_column_shapes_reads_fixed_and_variable_lists(tmp_path: Path) -> None:
-    table = pa.table({"ids": [[1, 2, 3], [4, 5, 6]], "name": ["a", "b"], "w": pa.array([1.0, 2.0], pa.float32())})
+    table = pa.table(
+        {"ids": [[1, 2, 3], [4, 5, 6]], "name": ["a", "b"], "w": pa.array([1.0, 2.0], pa.float32())}
+    )
     pq.write_table(table, tmp_path / "a.parquet")
     assert column_shapes(str(tmp_path / "a.parquet")) == {"ids": ((3,), "int64"), "w": ((), "float32")}

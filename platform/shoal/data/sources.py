@@ -84,9 +84,7 @@ def _check_columns(files: list[str], task: str, columns: dict[str, str], where: 
     missing = [c for c in required_columns(task, columns) if c not in present]
     if missing:
         needed_by = "named in data.columns" if columns else f"needed for task '{task}'"
-        raise DataError(
-            where, f"'{files[0]}' lacks column(s) {missing} {needed_by} (has {sorted(present)})"
-        )
+        raise DataError(where, f"'{files[0]}' lacks column(s) {missing} {needed_by} (has {sorted(present)})")
 
 
 def column_shapes(path: str) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -130,7 +128,7 @@ def plan_data(data: dict[str, Any], model: dict[str, Any], task: str, prepare_bu
     builtin = data.get("builtin")
     if builtin is not None:
         expected = "classify" if builtin == "digits" else "lm"
-        if task != expected:
+        if task not in (expected, "custom"):
             raise DataError(
                 "data.builtin",
                 f"'{builtin}' is a corpus for task '{expected}', but the model's task is '{task}'",

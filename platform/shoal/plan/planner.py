@@ -80,7 +80,8 @@ def sample_shapes(workload: Workload) -> dict[str, tuple[tuple[int, ...], torch.
         files = parquet_files(data.train.path, "data.train.path")
         if "://" in files[0]:
             raise PlanError(
-                f"shoal plan reads a row of local parquet to learn the input shapes; '{data.train.path}' is remote"
+                "shoal plan reads a row of local parquet to learn the input shapes; "
+                f"'{data.train.path}' is remote"
             )
         shapes = column_shapes(files[0])
     return {name: (shape, getattr(torch, dtype)) for name, (shape, dtype) in shapes.items()}

@@ -187,7 +187,9 @@ def check_storage(workload: Workload, source: Source) -> list[SpecIssue]:
     return []
 
 
-def check_contract(workload: Workload, source: Source, task: str | None, plan: DataPlan | None) -> list[SpecIssue]:
+def check_contract(
+    workload: Workload, source: Source, task: str | None, plan: DataPlan | None
+) -> list[SpecIssue]:
     """The data fits the model before anything launches.
 
     1. The data columns (the parquet schema of the first train file, or a built-in corpus's
@@ -218,7 +220,9 @@ def check_contract(workload: Workload, source: Source, task: str | None, plan: D
     problems = _signature_problems(objective, list(shapes), where)
     issues += [_issue(source, path, message) for path, message in problems]
     if not problems and built is not None:
-        issues += [_issue(source, path, message) for path, message in _meta_trace(workload, objective, built, shapes)]
+        issues += [
+            _issue(source, path, message) for path, message in _meta_trace(workload, objective, built, shapes)
+        ]
     return issues
 
 
@@ -248,7 +252,9 @@ def _worlds(workload: Workload) -> list[int]:
     return worlds
 
 
-def _sample_columns(workload: Workload, plan: DataPlan) -> tuple[dict[str, tuple[tuple[int, ...], str]] | None, str]:
+def _sample_columns(
+    workload: Workload, plan: DataPlan
+) -> tuple[dict[str, tuple[tuple[int, ...], str]] | None, str]:
     """One row's columns (shape, dtype) and where they come from; None for remote data."""
     data = workload.data
     if data.builtin is not None:

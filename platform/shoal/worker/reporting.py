@@ -34,7 +34,9 @@ def agreed_names(names: list[str] | None, world_size: int, what: str) -> list[st
     sent = {rank: tuple(n) for rank, n in enumerate(gathered) if n is not None}
     if len(set(sent.values())) > 1:
         listing = "; ".join(f"rank {rank}: {list(n)}" for rank, n in sent.items())
-        raise MetricNamesError(f"the model returned different metrics on different ranks in {what} ({listing})")
+        raise MetricNamesError(
+            f"the model returned different metrics on different ranks in {what} ({listing})"
+        )
     return list(next(iter(sent.values()), ()))
 
 
@@ -82,7 +84,9 @@ class StepStats:
         if self.world_size > 1:
             dist.all_reduce(values)
         if values[4].item() > 0:
-            raise MetricNamesError(f"the model's metrics changed during training (the first step had {names})")
+            raise MetricNamesError(
+                f"the model's metrics changed during training (the first step had {names})"
+            )
         total_weight = max(values[1].item(), 1e-12)
         averaged = values[5 : 5 + len(names)] / total_weight
         rows = values[5 + len(names) :].view(-1, self.world_size).tolist() if per_rank else []
