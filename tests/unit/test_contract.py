@@ -354,3 +354,25 @@ def test_ranks_whose_models_return_different_metrics_stop_together(tmp_path: Pat
             "(rank 0: ['id_mean']; rank 1: ['id_mean', 'only_here'])"
         )
         assert outcome["steps"] == []
+
+
+def test_metric_names_that_are_shoals_own_are_refused_by_task() -> None:
+    from shoal.messages import model_metric_problem
+
+    assert model_metric_problem("mae", "custom") is None
+    assert model_metric_problem("accuracy", "custom") is None  # shoal measures accuracy for classify only
+    assert "val/accuracy" in (model_metric_problem("accuracy", "classify") or "")
+    assert "train/grad_norm" in (model_metric_problem("grad_norm", "custom") or "")
+    assert "must be letters" in (model_metric_problem("a|b", "custom") or "")
+
+
+def test_metrics_that_change_after_the_first_step_stop_the_run() -> None:
+    from shoal.worker.reporting import MetricNamesError, StepStats
+
+    stats = StepStats(world_size=1, interval_s=1e9, rank=0)
+    first = stats.reduce(1.0, metrics={"mae": 0.5, "rmse": 0.25})
+    assert first.metrics == {"mae": 0.5, "rmse": 0.25} and first.loss == 1.0
+    with pytest.raises(
+        MetricNamesError, match=r"changed during training \(the first step had \['mae', 'rmse'\]\)"
+    ):
+        stats.reduce(1.0, metrics={"mae": 0.5})

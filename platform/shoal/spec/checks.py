@@ -207,30 +207,26 @@ def check_contract(
         return []
     issues = [_issue(source, path, message) for path, message in _pipeline_contract(workload, task)]
     shapes, where = _sample_columns(workload, plan)
-    built = _meta_model(workload)
     spec = workload.model
+    built = _meta_model(workload)
+    if shapes is None or (built is None and spec.hf is not None):
+        return issues  # no schema, or no class to read a signature from without loading the model
     try:
         cls = built if built is not None else model_class(spec.family, spec.target)
         loss_fn = import_loss(spec.loss) if spec.loss else None
     except ModelError:  # reported by check_model
         return issues
     objective = Objective(task, ForwardSignature.of(cls), dict(workload.data.columns), loss_fn)
-    if shapes is None:
-        return issues
     problems = _signature_problems(objective, list(shapes), where)
-    issues += [_issue(source, path, message) for path, message in problems]
     if not problems and built is not None:
-        issues += [
-            _issue(source, path, message) for path, message in _meta_trace(workload, objective, built, shapes)
-        ]
-    return issues
+        problems = _meta_trace(workload, objective, built, shapes)
+    return issues + [_issue(source, path, message) for path, message in problems]
 
 
 def _pipeline_contract(workload: Workload, task: str) -> list[tuple[str, str]]:
     """Pipeline stages pass one tensor from stage to stage and end in next-token cross
     entropy: only the token-window language model fits."""
-    pp = {Degrees.resolve(workload.parallel.model_dump(), world).pp for world in _worlds(workload)}
-    if max(pp, default=1) == 1:
+    if _largest_pp(workload) == 1:
         return []
     if task != "lm":
         return [("parallel", f"pipeline parallelism trains task lm only (the model's task is {task})")]
@@ -241,15 +237,14 @@ def _pipeline_contract(workload: Workload, task: str) -> list[tuple[str, str]]:
     return []
 
 
-def _worlds(workload: Workload) -> list[int]:
-    worlds = []
-    for world in sorted(set(workload.scaling.worker_range())):
+def _largest_pp(workload: Workload) -> int:
+    largest = 1
+    for world in set(workload.scaling.worker_range()):
         try:
-            Degrees.resolve(workload.parallel.model_dump(), world)
+            largest = max(largest, Degrees.resolve(workload.parallel.model_dump(), world).pp)
         except DegreeError:  # reported by check_parallel
             continue
-        worlds.append(world)
-    return worlds
+    return largest
 
 
 def _sample_columns(

@@ -217,8 +217,8 @@ class Trainer:
         except MetricNamesError as exc:  # raised on every rank alike: all stop together
             self._fail(str(exc))
             return LoopOutcome.FATAL
-        loss, report_due, written, gathered = reduced[:4]
-        if written and self.checkpointer.pending is not None:
+        loss, gathered = reduced.loss, reduced.per_rank
+        if reduced.written and self.checkpointer.pending is not None:
             self.checkpointer.finish_pending()
         last = group[-1]
         self.position.epoch = last.epoch
@@ -238,7 +238,7 @@ class Trainer:
         elapsed, self.step_started = time.perf_counter() - self.step_started, time.perf_counter()
         self._record(loss, elapsed, self.engine.objective.predicted_tokens(last.batch), phases, gathered)
         self._record_model_metrics(reduced.metrics)
-        return self._after_step(report_due)
+        return self._after_step(reduced.report_due)
 
     def _after_step(self, report_due: bool) -> LoopOutcome | None:
         """Profile, evaluate, checkpoint or report as due; DONE after the last step."""
