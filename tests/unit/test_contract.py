@@ -376,3 +376,34 @@ def test_metrics_that_change_after_the_first_step_stop_the_run() -> None:
         MetricNamesError, match=r"changed during training \(the first step had \['mae', 'rmse'\]\)"
     ):
         stats.reduce(1.0, metrics={"mae": 0.5})
+
+
+def test_evaluation_logs_the_models_metrics_as_val_metrics(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shoal.spec.schema import Workload
+    from shoal.worker.config import WorkerConfig
+    from shoal.worker.loop import Trainer
+    from tests.unit.local_context import InMemoryShard, LocalContext
+
+    (tmp_path / "id_net_eval.py").write_text(ID_MODEL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = {
+        "name": "custom-eval",
+        "model": {"target": "id_net_eval:IdNet", "task": "custom"},
+        "data": {
+            "train": {"path": "in-memory"},
+            "batch_size": 8,
+            "columns": {"f": "features", "t": "target", "id": "ids"},
+        },
+        "train": {"max_steps": 2, "eval_every": 2},
+    }
+    rows = {"f": torch.randn(32, 4), "t": torch.randn(32), "id": torch.arange(32)}
+    val = {"f": torch.randn(16, 4), "t": torch.randn(16), "id": torch.arange(100, 116)}
+    (tmp_path / "storage").mkdir()
+    context = LocalContext(tmp_path / "storage", {"train": InMemoryShard(rows), "val": InMemoryShard(val)})
+    config = WorkerConfig(Workload.model_validate(spec), "custom", True, str(tmp_path / "run"), 1e9, 1)
+    Trainer(config, context).run()
+    (evaluation,) = context.events("eval")
+    assert evaluation["val/id_mean"] == pytest.approx(107.5)  # the mean id over the whole val set
+    assert math.isfinite(evaluation["val/loss"]) and "val/accuracy" not in evaluation
