@@ -205,3 +205,33 @@ def test_column_shapes_reads_fixed_and_variable_lists(tmp_path: Path) -> None:
     )
     pq.write_table(table, tmp_path / "a.parquet")
     assert column_shapes(str(tmp_path / "a.parquet")) == {"ids": ((3,), "int64"), "w": ((), "float32")}
+
+
+def test_shoal_plan_traces_a_custom_model_on_its_own_columns(user_dir: Path) -> None:
+    from shoal.plan.planner import model_cost, sample_shapes
+    from shoal.spec.schema import Workload
+
+    (user_dir / "reg_plan.py").write_text(REGRESSOR)
+    workload = Workload.model_validate(spec("reg_plan", data={"columns": {"f": "features", "t": "target"}}))
+    assert {name: shape for name, (shape, _) in sample_shapes(workload).items()} == {
+        "id": (),
+        "f": (4,),
+        "t": (),
+    }
+    cost = model_cost(workload, "fp32")
+    assert cost.parameters == 5 and cost.flops_per_sample > 0
+
+
+def test_shoal_plan_windows_pytext_by_data_seq_len() -> None:
+    from shoal.plan.planner import sample_shapes
+    from shoal.spec.schema import Workload
+
+    workload = Workload.model_validate(
+        {
+            "name": "lm",
+            "model": {"family": "gpt", "args": {"n_layers": 1}},
+            "data": {"builtin": "pytext", "seq_len": 48},
+            "train": {"max_steps": 1},
+        }
+    )
+    assert sample_shapes(workload)["tokens"][0] == (49,)
