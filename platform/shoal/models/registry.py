@@ -6,6 +6,7 @@ import importlib
 import inspect
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -17,7 +18,7 @@ BUILTIN: dict[str, str] = {
     "mlp": "shoal.models.mlp:MLP",
     "gpt": "shoal.models.gpt:GPT",
 }
-TASKS = ("classify", "lm")
+TASKS = ("classify", "lm", "custom")
 
 
 class ModelError(ShoalError, ValueError):
@@ -61,6 +62,39 @@ def model_task(cls: type[nn.Module], declared: str | None) -> str:
     if task not in TASKS:
         raise ModelError(f"task must be one of {TASKS} (got {task!r})")
     return task
+
+
+def import_loss(target: str) -> Callable[..., Any]:
+    """`model.loss`: a `package.module:function(outputs, batch)` returning the loss."""
+    module_name, _, attr = target.partition(":")
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ModelError(f"cannot import module '{module_name}' ({exc})") from None
+    function = getattr(module, attr, None)
+    if not callable(function):
+        raise ModelError(f"module '{module_name}' has no function '{attr}'")
+    try:
+        inspect.signature(function).bind(None, None)
+    except TypeError:
+        raise ModelError(f"'{target}' must take two arguments: (outputs, batch)") from None
+    except ValueError:  # a builtin without a signature: trust it
+        pass
+    return function
+
+
+def model_config(model_cfg: dict[str, Any], seq_len: int | None) -> dict[str, Any]:
+    """The model section with the data's window length: a model whose constructor takes
+    `seq_len`, and whose args do not set it, gets the data's `seq_len`."""
+    args = model_cfg.get("args", {})
+    if seq_len is None or "seq_len" in args or model_cfg.get("hf") is not None:
+        return model_cfg
+    cls = model_class(model_cfg.get("family"), model_cfg.get("target"))
+    if "seq_len" not in inspect.signature(cls).parameters:
+        return model_cfg
+    return {**model_cfg, "args": {**args, "seq_len": seq_len}}
 
 
 def check_args(cls: type[nn.Module], args: dict[str, Any]) -> None:

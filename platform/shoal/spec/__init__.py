@@ -9,6 +9,7 @@ from shoal.data import DataError, DataPlan, plan_data
 from shoal.spec.checks import (
     check_batches,
     check_checkpoint,
+    check_contract,
     check_model,
     check_parallel,
     check_precision,
@@ -48,6 +49,7 @@ def run_checks(
             plan = plan_data(data, workload.model.model_dump(), task, prepare_builtin=prepare_data)
         except DataError as exc:
             issues.append(SpecIssue(source.where(exc.path), exc.path, str(exc)))
+        issues += check_contract(workload, source, task, plan)
     return plan, issues
 
 
