@@ -17,6 +17,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from shoal.models.blocks import repeated_blocks
+from shoal.models.outputs import unpack_outputs
 from shoal.models.registry import build_model
 
 TRACE_BATCH = 2  # every per-sample figure is linear in the batch; 2 avoids size-1 special cases
@@ -57,10 +59,10 @@ def batch_shapes(batch: dict[str, torch.Tensor]) -> dict[str, tuple[tuple[int, .
 
 def _loss(model: nn.Module, batch: dict[str, torch.Tensor], task: str) -> torch.Tensor:
     if task == "classify":
-        logits = model(batch["x"].float())
+        logits = unpack_outputs(model(batch["x"].float())).logits
         return F.cross_entropy(logits.float(), batch["y"].long())
     tokens = batch["tokens"].long()
-    logits = model(tokens[:, :-1])
+    logits = unpack_outputs(model(tokens[:, :-1])).logits
     return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
 
 
@@ -123,8 +125,7 @@ class _SavedTensors:
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
-    blocks = getattr(model, "blocks", None)
-    return list(blocks.values()) if isinstance(blocks, nn.ModuleDict) else []
+    return [slot.module for slot in repeated_blocks(model)]
 
 
 def trace_cost(

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shoal.messages import Metric
+from shoal.models.outputs import unpack_outputs
 
 
 def batch_size_of(batch: dict[str, torch.Tensor]) -> int:
@@ -24,11 +25,11 @@ def forward_loss(
     if task == "classify":
         x = batch["x"].to(device, dtype=torch.float32, non_blocking=True)
         y = batch["y"].to(device, dtype=torch.long, non_blocking=True)
-        logits = model(x)
+        logits = unpack_outputs(model(x)).logits
         correct = (logits.argmax(dim=-1) == y).sum()
         return F.cross_entropy(logits.float(), y), correct
     tokens = batch["tokens"].to(device, non_blocking=True).long()
-    logits = model(tokens[:, :-1])
+    logits = unpack_outputs(model(tokens[:, :-1])).logits
     return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()), torch.zeros(())
 
 
