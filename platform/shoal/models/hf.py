@@ -213,6 +213,12 @@ def check_hf(spec: HfModelSpec, declared_task: str | None) -> HfModelFacts:
             f"cannot tell the task of {cls.__name__}: set model.task (classify, lm or custom)",
             where="model.task",
         )
+    if class_task(cls) == "classify" and getattr(config, "pad_token_id", None) is None:
+        raise ModelError(
+            f"{cls.__name__} classifies each row by its last token that is not padding, and "
+            "needs pad_token_id to find it: set model.hf.config.pad_token_id",
+            where="model.hf.config",
+        )
     try:
         with torch.device("meta"):
             cls(config)
@@ -283,7 +289,9 @@ class LlamaFamilyParallel:
 
         styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
         plan = {}
-        for path, style in self.config.base_model_tp_plan.items():
+        # The config class's plan, not the instance's: with tied embeddings transformers adds
+        # the embedding to it, to match its sharded head; shoal keeps both replicated.
+        for path, style in type(self.config).base_model_tp_plan.items():
             if style not in styles:
                 raise ModelError(f"{type(self).__name__}'s tensor-parallel plan has style {style!r}")
             plan[f"{self.base_model_prefix}.{path}"] = styles[style]()
