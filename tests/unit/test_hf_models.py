@@ -218,14 +218,18 @@ def llama_reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 @pytest.mark.parametrize(
-    ("parallel", "activation_checkpointing"),
-    [({"strategy": "fsdp"}, "full"), ({"strategy": "tp"}, "selective")],
-    ids=["fsdp+full-ac", "tp+selective-ac"],
+    ("parallel", "world", "activation_checkpointing"),
+    [
+        ({"strategy": "fsdp"}, 2, "full"),
+        ({"strategy": "tp"}, 2, "selective"),
+        ({"dp_shard": 2, "tp": 2}, 4, "none"),
+    ],
+    ids=["fsdp+full-ac", "tp+selective-ac", "fsdp-x-tp"],
 )
-def test_llama_on_two_ranks_matches_one_process(
-    parallel: dict, activation_checkpointing: str, llama_reference: dict, tmp_path: Path
+def test_llama_on_several_ranks_matches_one_process(
+    parallel: dict, world: int, activation_checkpointing: str, llama_reference: dict, tmp_path: Path
 ) -> None:
-    outputs = run(llama_spec(parallel, activation_checkpointing), 2, tmp_path)
+    outputs = run(llama_spec(parallel, activation_checkpointing), world, tmp_path)
     for output in outputs:
         assert output["losses"] == pytest.approx(llama_reference["losses"], abs=FP32_LOSS)
         # FSDP holds half of every block on each rank; TP half of every q/k/v/o/gate/up/down.
