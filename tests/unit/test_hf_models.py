@@ -17,6 +17,7 @@ from shoal.models import ModelError, ParallelModel, build_model
 from shoal.models.blocks import repeated_blocks
 from shoal.models.hf import LlamaForCausalLM, as_spec, check_hf
 from shoal.models.outputs import unpack_outputs
+from shoal.spec import load
 from shoal.worker.parallel.parallelize import apply_activation_checkpointing
 from tests.conftest import write_workload
 from tests.unit.parallel_harness import llama_spec, run
@@ -134,6 +135,13 @@ def remote_code_folder(tmp_path: Path) -> str:
     return str(folder)
 
 
+def config_only_folder(tmp_path: Path) -> str:
+    folder = tmp_path / "config-only"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(LLAMA))
+    return str(folder)
+
+
 REFUSALS = {
     "hub name": (lambda tmp: hf(path="meta-llama/Llama-3.2-1B"), "model.hf.path", "not an existing local"),
     "missing folder": (lambda tmp: hf(path=str(tmp / "nowhere")), "model.hf.path", "not an existing local"),
@@ -153,6 +161,11 @@ REFUSALS = {
         "remote code (trust_remote_code)",
     ),
     "remote code in folder": (lambda tmp: hf(path=remote_code_folder(tmp)), "model.hf.path", "remote code"),
+    "folder without weights": (
+        lambda tmp: hf(path=config_only_folder(tmp)),
+        "model.hf.path",
+        "holds no weights",
+    ),
     "class and config disagree": (lambda tmp: hf("GPT2LMHeadModel"), "model.hf.class", "not 'llama'"),
     "misspelt setting": (
         lambda tmp: hf(config={**LLAMA, "hiden_size": 8}),
@@ -235,3 +248,19 @@ def test_llama_on_several_ranks_matches_one_process(
         # FSDP holds half of every block on each rank; TP half of every q/k/v/o/gate/up/down.
         assert output["local_params"] < 0.75 * output["parameters"]
     assert max_weight_difference(outputs, llama_reference) < FP32_WEIGHTS
+
+
+def test_a_relative_folder_is_resolved_for_the_workers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    build_model(hf()).save_pretrained(tmp_path / "llama")
+    monkeypatch.chdir(tmp_path)
+    data = {
+        "name": "hf",
+        "model": hf(path="llama"),
+        "data": {"builtin": "pytext", "batch_size": 4},
+        "train": {"max_steps": 2},
+    }
+    loaded = load(write_workload(tmp_path, data))
+    assert loaded.data.task == "lm"
+    assert loaded.workload.model.hf.path == str(tmp_path / "llama")

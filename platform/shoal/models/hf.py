@@ -119,7 +119,13 @@ def named_class(name: str) -> type:
 
 def hf_config(spec: HfModelSpec) -> PretrainedConfig:
     if spec.path is not None:
-        return AutoConfig.from_pretrained(local_folder(spec.path), local_files_only=True)
+        folder = local_folder(spec.path)
+        try:
+            return AutoConfig.from_pretrained(folder, local_files_only=True)
+        except (OSError, ValueError, TypeError, StrictDataclassError) as exc:
+            raise ModelError(
+                f"cannot read {folder / 'config.json'}: {_first_line(exc)}", where="model.hf.path"
+            ) from None
     settings = dict(spec.config or {})
     refuse_remote_code(settings, "model.hf.config", "model.hf.config names")
     config_class = _config_class(named_class(spec.class_), settings)

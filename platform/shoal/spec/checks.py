@@ -89,7 +89,8 @@ def check_model(workload: Workload, source: Source) -> tuple[str | None, list[Sp
 
 
 def check_hf_model(workload: Workload, source: Source) -> tuple[str | None, list[SpecIssue]]:
-    """A Hugging Face model that builds from local files alone (models/hf.py), and its task."""
+    """A Hugging Face model that builds from local files alone (models/hf.py), and its task.
+    A relative model.hf.path becomes absolute here, as data paths do: workers build from it."""
     spec = workload.model
     if spec.args:
         message = "a Hugging Face model takes its settings in model.hf.config"
@@ -98,6 +99,8 @@ def check_hf_model(workload: Workload, source: Source) -> tuple[str | None, list
         facts = hf_models().check_hf(spec.hf, spec.task)
     except ModelError as exc:
         return None, [_issue(source, exc.where or "model.hf", exc.message)]
+    if spec.hf.path is not None:
+        spec.hf.path = str(Path(spec.hf.path).expanduser().resolve())
     issues = []
     origin = "model.hf.config" if spec.hf.config is not None else "model.hf.path"
     if facts.task == "lm" and workload.data.builtin == "pytext" and (facts.vocab_size or 0) < BYTE_VOCAB:
