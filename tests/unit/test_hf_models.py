@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import socket
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+import shoal.models
 from shoal import cli
 from shoal.models import ModelError, ParallelModel, build_model
 from shoal.models.blocks import repeated_blocks
@@ -264,3 +266,13 @@ def test_a_relative_folder_is_resolved_for_the_workers(
     loaded = load(write_workload(tmp_path, data))
     assert loaded.data.task == "lm"
     assert loaded.workload.model.hf.path == str(tmp_path / "llama")
+
+
+def test_without_transformers_validate_says_which_extra_to_install(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delitem(sys.modules, "shoal.models.hf")
+    monkeypatch.delattr(shoal.models, "hf")
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers now fails
+    [line] = validate(tmp_path, capsys, hf())
+    assert "model.hf: model.hf needs transformers, which is not installed: pip install 'shoal[hf]'" in line
