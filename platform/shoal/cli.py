@@ -115,7 +115,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     low, high = w.scaling.worker_range()
     workers = str(low) if low == high else f"{low}-{high}"
     console.print(
-        f"[green]ok[/] {args.file}: '{w.name}', {w.model.family or w.model.target}, "
+        f"[green]ok[/] {args.file}: '{w.name}', {w.model.family or w.model.target or w.model.hf.class_}, "
         f"{workers} worker(s), {w.parallel.strategy}, {w.train.precision}"
     )
     if sweep := w.sweep:

@@ -18,6 +18,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from shoal.models.objective import ForwardSignature, Objective
+from shoal.models.blocks import repeated_blocks
 from shoal.models.registry import build_model
 
 TRACE_BATCH = 2  # every per-sample figure is linear in the batch; 2 avoids size-1 special cases
@@ -120,8 +121,7 @@ class _SavedTensors:
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
-    blocks = getattr(model, "blocks", None)
-    return list(blocks.values()) if isinstance(blocks, nn.ModuleDict) else []
+    return [slot.module for slot in repeated_blocks(model)]
 
 
 def trace_cost(

@@ -7,11 +7,12 @@ import inspect
 import os
 import sys
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 from torch import nn
 
-from shoal.errors import ShoalError
+from shoal.models.errors import ModelError
 
 BUILTIN: dict[str, str] = {
     "cnn": "shoal.models.cnn:ConvNet",
@@ -19,10 +20,7 @@ BUILTIN: dict[str, str] = {
     "gpt": "shoal.models.gpt:GPT",
 }
 TASKS = ("classify", "lm", "custom")
-
-
-class ModelError(ShoalError, ValueError):
-    """A model that cannot be found or built from the given arguments."""
+HF_PACKAGES = ("transformers", "huggingface_hub", "tokenizers", "safetensors")
 
 
 def import_target(target: str) -> type[nn.Module]:
@@ -47,13 +45,32 @@ def import_target(target: str) -> type[nn.Module]:
     return cls
 
 
-def model_class(family: str | None, target: str | None) -> type[nn.Module]:
+def model_class(family: str | None, target: str | None, hf: Any = None) -> type[nn.Module]:
+    """The class a model spec builds: a built-in family, a user's `module:Class`, or a Hugging
+    Face class (`hf`: the spec's model.hf section)."""
+    if hf is not None:
+        return hf_models().hf_model_class(hf_models().as_spec(hf))
     if family is not None:
         if family not in BUILTIN:
             raise ModelError(f"unknown family '{family}' (built-in: {', '.join(BUILTIN)})")
         return import_target(BUILTIN[family])
-    assert target is not None
+    if target is None:
+        raise ModelError("the model spec names no family, target or hf")
     return import_target(target)
+
+
+def hf_models() -> ModuleType:
+    """models/hf.py, or a ModelError when the optional transformers is not installed."""
+    try:
+        # Lazy: transformers takes seconds to import and comes with the optional shoal[hf] extra.
+        from shoal.models import hf
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] not in HF_PACKAGES:
+            raise
+        raise ModelError(
+            f"model.hf needs {exc.name}, which is not installed: pip install 'shoal[hf]'", where="model.hf"
+        ) from None
+    return hf
 
 
 def model_task(cls: type[nn.Module], declared: str | None) -> str:
@@ -105,6 +122,8 @@ def check_args(cls: type[nn.Module], args: dict[str, Any]) -> None:
 
 
 def build_model(model_cfg: dict[str, Any]) -> nn.Module:
+    if model_cfg.get("hf") is not None:
+        return hf_models().build_hf_model(model_cfg["hf"])
     cls = model_class(model_cfg.get("family"), model_cfg.get("target"))
     try:
         return cls(**model_cfg.get("args", {}))
