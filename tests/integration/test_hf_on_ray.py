@@ -26,7 +26,7 @@ def tiny_llama() -> dict:
     return {
         "name": "hf_llama",
         "model": {"hf": {"class": "LlamaForCausalLM", "config": config}},
-        "data": {"builtin": "pytext", "batch_size": 8},
+        "data": {"builtin": "pytext", "batch_size": 8, "seq_len": 32},
         "train": {
             "max_steps": STEPS,
             "activation_checkpointing": "full",

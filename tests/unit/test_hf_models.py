@@ -118,7 +118,7 @@ def validate(tmp_path: Path, capsys: pytest.CaptureFixture, model: dict, **extra
     data = {
         "name": "hf",
         "model": model,
-        "data": {"builtin": "pytext", "batch_size": 4},
+        "data": {"builtin": "pytext", "batch_size": 4, "seq_len": 32},
         "train": {"max_steps": 2},
         **extra,
     }
@@ -217,7 +217,7 @@ def test_validate_accepts_a_tiny_llama_with_fsdp(tmp_path: Path, capsys: pytest.
     data = {
         "name": "hf",
         "model": hf(),
-        "data": {"builtin": "pytext", "batch_size": 4},
+        "data": {"builtin": "pytext", "batch_size": 4, "seq_len": 32},
         "train": {"max_steps": 2},
         "parallel": {"strategy": "fsdp"},
         "scaling": {"workers": 2},
@@ -260,7 +260,7 @@ def test_a_relative_folder_is_resolved_for_the_workers(
     data = {
         "name": "hf",
         "model": hf(path="llama"),
-        "data": {"builtin": "pytext", "batch_size": 4},
+        "data": {"builtin": "pytext", "batch_size": 4, "seq_len": 32},
         "train": {"max_steps": 2},
     }
     loaded = load(write_workload(tmp_path, data))

@@ -17,8 +17,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from shoal.models.objective import ForwardSignature, Objective
 from shoal.models.blocks import repeated_blocks
+from shoal.models.objective import ForwardSignature, Objective
 from shoal.models.registry import build_model
 
 TRACE_BATCH = 2  # every per-sample figure is linear in the batch; 2 avoids size-1 special cases

@@ -18,8 +18,7 @@ from shoal.messages import VAL_PREFIX, Metric, model_metric_problem
 from shoal.models import ModelError, ParallelModel, check_args, model_class, model_task
 from shoal.models.cost import meta_batch
 from shoal.models.objective import ForwardSignature, Objective
-from shoal.models.registry import build_model, import_loss, model_config
-from shoal.models.registry import hf_models
+from shoal.models.registry import build_model, hf_models, import_loss, model_config
 from shoal.spec.loader import Source, SpecIssue
 from shoal.spec.schema import Workload
 
@@ -79,7 +78,8 @@ def check_checkpoint(workload: Workload, source: Source) -> list[SpecIssue]:
 def check_model(workload: Workload, source: Source) -> tuple[str | None, list[SpecIssue]]:
     """The model's task, or the issues that stop us knowing it."""
     spec = workload.model
-    task, issues = check_hf_model(workload, source) if spec.hf is not None else _check_module(workload, source)
+    check = check_hf_model if spec.hf is not None else _check_module
+    task, issues = check(workload, source)
     if task is not None and spec.loss is not None:
         try:
             import_loss(spec.loss)
