@@ -1,0 +1,206 @@
+"""The end of a run: the final weights as an MLflow model anyone can load, optionally registered.
+
+- Built-in and user models: MLflow's pytorch flavour, saved with `torch.export`
+  (MLflow 3's default, "pt2"): a self-contained graph that loads without shoal or
+  the user's code. torch.export fixes every dimension of the input example unless
+  the signature marks it -1, and fixes a size-1 dimension anyway, so the example
+  is 2 rows (of 8 tokens for language models) and the signature's batch and
+  sequence dimensions are -1: the model then takes any batch size and length.
+  A model that torch.export cannot trace is saved with pickle instead (it then
+  needs its code importable where it is loaded); the tag `shoal.model_format` says
+  which. The pytorch flavour's `predict` wants one tensor out: a model returning
+  a dict or a Hugging Face `ModelOutput` is wrapped to return its logits.
+- Hugging Face models with a tokenizer: the transformers flavour
+  (text-generation), with explicit pip requirements (else MLflow imports
+  torchvision, which fails beside the CPU torch) and `max_new_tokens` within the
+  model's positions (MLflow's default 256 overruns a small model).
+- `tracking.register: {name, alias}` registers the logged model as a new version
+  of NAME and points ALIAS at it: `mlflow.pytorch.load_model("models:/NAME@ALIAS")`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+import mlflow
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+from mlflow.models import ModelSignature
+from mlflow.tracking import MlflowClient
+from mlflow.types import Schema, TensorSpec
+from torch import nn
+
+from shoal.models.outputs import unpack_outputs
+from shoal.spec.schema import RegisterSpec
+from shoal.tracking.mlflow_run import tracking_errors
+
+log = logging.getLogger("shoal")
+MODEL_NAME = "model"  # the logged model's name in its run (runs:/RUN_ID/model)
+EXAMPLE_ROWS, EXAMPLE_TOKENS = 2, 8  # > 1 each: torch.export fixes size-1 dimensions
+FORMAT_TAG = "shoal.model_format"
+URI_TAG = "shoal.model_uri"
+
+
+class LogitsOnly(nn.Module):
+    """A model whose forward returns a mapping (dict, HF ModelOutput), returning its logits."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return unpack_outputs(self.model(inputs)).logits
+
+
+@dataclass
+class LoggedModel:
+    uri: str  # models:/NAME@ALIAS when registered with an alias, else models:/NAME/VERSION or runs:/
+    flavor: str  # pytorch | transformers
+    serialization: str  # pt2 | pickle | transformers
+    version: str | None = None  # the registered version
+
+
+def max_positions(model: nn.Module) -> int | None:
+    """The longest sequence a language model takes, when it says so."""
+    config = getattr(model, "config", None)
+    for source, name in ((model, "seq_len"), (config, "n_positions"), (config, "max_position_embeddings")):
+        value = getattr(source, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def vocab_size(model: nn.Module) -> int:
+    config = getattr(model, "config", None)
+    if isinstance(getattr(config, "vocab_size", None), int):
+        return config.vocab_size
+    embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if embedding is None:
+        raise ValueError(f"{type(model).__name__} has no token embedding to size an example from")
+    return embedding.num_embeddings
+
+
+def token_example(model: nn.Module) -> torch.Tensor:
+    """Token ids for a language model: EXAMPLE_ROWS x EXAMPLE_TOKENS (fewer if it takes fewer)."""
+    length = min(EXAMPLE_TOKENS, max_positions(model) or EXAMPLE_TOKENS)
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(0, vocab_size(model), (EXAMPLE_ROWS, max(2, length)), generator=generator)
+
+
+def feature_example(train_files: list[str], column: str = "x") -> torch.Tensor | None:
+    """The first rows of a classifier's input column in the (local) training data."""
+    if not train_files or "://" in train_files[0]:
+        return None
+    table = pq.ParquetFile(train_files[0]).read_row_group(0, columns=[column]).slice(0, EXAMPLE_ROWS)
+    rows = np.asarray(table.column(column).to_pylist(), dtype=np.float32)
+    return torch.from_numpy(rows) if len(rows) == EXAMPLE_ROWS else None
+
+
+def _signature(example: torch.Tensor, output: torch.Tensor, sequence: bool) -> ModelSignature:
+    """Batch (and, for sequences, length) dimensions -1; the rest as in the example."""
+    free = 2 if sequence else 1
+    inputs = (-1,) * free + tuple(example.shape[free:])
+    outputs = (-1,) * free + tuple(output.shape[free:])
+    return ModelSignature(
+        inputs=Schema([TensorSpec(example.numpy().dtype, inputs)]),
+        outputs=Schema([TensorSpec(np.dtype(np.float32), outputs)]),
+    )
+
+
+def _requirement(package: str) -> str:
+    try:
+        return f"{package}=={version(package).split('+')[0]}"
+    except PackageNotFoundError:
+        return package
+
+
+@contextmanager
+def active_run(uri: str, run_id: str) -> Iterator[None]:
+    """MLflow's fluent API (log_model) inside this run, the process's tracking URI restored after."""
+    previous = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    try:
+        with mlflow.start_run(run_id=run_id):
+            yield
+    finally:
+        mlflow.set_tracking_uri(previous)
+
+
+def _pytorch(model: nn.Module, example: torch.Tensor | None, sequence: bool, registered: str | None) -> Any:
+    """mlflow.pytorch.log_model: pt2 with a -1 signature, else pickle; returns (info, format)."""
+    common = {"name": MODEL_NAME, "registered_model_name": registered, "pip_requirements": [_requirement("torch")]}
+    if example is not None:
+        with torch.no_grad():
+            output = model(example)
+        if not isinstance(output, torch.Tensor):
+            model = LogitsOnly(model)
+            output = model(example)
+        signature = _signature(example, output.float(), sequence)
+        try:
+            info = mlflow.pytorch.log_model(
+                model, input_example=example.numpy(), signature=signature, serialization_format="pt2", **common
+            )
+            return info, "pt2"
+        except Exception as exc:  # torch.export refuses many kinds of Python code; pickle takes any
+            log.warning("torch.export cannot trace %s (%s); saving with pickle", type(model).__name__, exc)
+        return mlflow.pytorch.log_model(
+            model, input_example=example.numpy(), signature=signature, serialization_format="pickle", **common
+        ), "pickle"
+    return mlflow.pytorch.log_model(model, serialization_format="pickle", **common), "pickle"
+
+
+def generation_tokens(model: nn.Module) -> int:
+    """max_new_tokens for the transformers flavour: within the model's positions."""
+    return max(1, min(32, (max_positions(model) or 64) // 2))
+
+
+def _transformers(model: nn.Module, tokenizer: Any, registered: str | None) -> Any:
+    packages = ("torch", "transformers", "tokenizers")
+    return mlflow.transformers.log_model(
+        {"model": model, "tokenizer": tokenizer},
+        name=MODEL_NAME,
+        task="text-generation",
+        pip_requirements=[_requirement(p) for p in packages],
+        model_config={"max_new_tokens": generation_tokens(model)},
+        input_example=["hello"],
+        registered_model_name=registered,
+    )
+
+
+def log_model(
+    uri: str,
+    run_id: str,
+    model: nn.Module,
+    example: torch.Tensor | None = None,
+    sequence: bool = False,
+    tokenizer: Any = None,
+    register: RegisterSpec | None = None,
+) -> LoggedModel:
+    """Log `model` (on the CPU, in eval mode) in the run; register it when asked.
+
+    `example`: a batch of the model's input (token ids when `sequence`), which sizes the
+    signature; `tokenizer`: with a Hugging Face model, logs the transformers flavour.
+    """
+    registered = register.name if register else None
+    model = model.cpu().eval()
+    with tracking_errors(f"logging the model in MLflow run {run_id} at '{uri}'"), active_run(uri, run_id):
+        if tokenizer is not None:
+            info, flavor, serialization = _transformers(model, tokenizer, registered), "transformers", "transformers"
+        else:
+            info, serialization = _pytorch(model, example, sequence, registered)
+            flavor = "pytorch"
+        logged = LoggedModel(info.model_uri, flavor, serialization, info.registered_model_version)
+        if register and logged.version is not None:
+            logged.uri = f"models:/{register.name}/{logged.version}"
+            if register.alias:
+                client = MlflowClient(tracking_uri=uri)
+                client.set_registered_model_alias(register.name, register.alias, logged.version)
+                logged.uri = f"models:/{register.name}@{register.alias}"
+        mlflow.set_tags({FORMAT_TAG: serialization, URI_TAG: logged.uri})
+    return logged
