@@ -131,6 +131,8 @@ def summary_table(result: RunResult) -> Table:
     if result.reason:
         table.add_row("reason", result.reason)
     table.add_row("checkpoint", result.checkpoint or "-")
+    if result.model_uri or result.model_error:
+        table.add_row("model", result.model_uri or f"[yellow]not logged[/]: {result.model_error}")
     table.add_row("run directory", result.run_dir)
     table.add_row("MLflow experiment", result.experiment)
     table.add_row("MLflow run id", result.run_id)

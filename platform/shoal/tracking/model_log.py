@@ -21,14 +21,17 @@
 from __future__ import annotations
 
 import logging
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 from typing import Any
 
 import mlflow
 import numpy as np
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import torch
 from mlflow.models import ModelSignature
@@ -37,14 +40,17 @@ from mlflow.types import Schema, TensorSpec
 from torch import nn
 
 from shoal.models.outputs import unpack_outputs
-from shoal.spec.schema import RegisterSpec
-from shoal.tracking.mlflow_run import tracking_errors
+from shoal.spec import LoadedWorkload
+from shoal.spec.schema import RegisterSpec, Workload
+from shoal.tracking.mlflow_run import TrackingError, tracking_errors
+from shoal.worker.checkpoint.consolidate import consolidate, consolidated_model
 
 log = logging.getLogger("shoal")
 MODEL_NAME = "model"  # the logged model's name in its run (runs:/RUN_ID/model)
 EXAMPLE_ROWS, EXAMPLE_TOKENS = 2, 8  # > 1 each: torch.export fixes size-1 dimensions
 FORMAT_TAG = "shoal.model_format"
 URI_TAG = "shoal.model_uri"
+TOKENIZER_FILE = "tokenizer.json"  # a tokenizer trained by the run, saved beside its checkpoints
 
 
 class LogitsOnly(nn.Module):
@@ -134,7 +140,11 @@ def active_run(uri: str, run_id: str) -> Iterator[None]:
 
 def _pytorch(model: nn.Module, example: torch.Tensor | None, sequence: bool, registered: str | None) -> Any:
     """mlflow.pytorch.log_model: pt2 with a -1 signature, else pickle; returns (info, format)."""
-    common = {"name": MODEL_NAME, "registered_model_name": registered, "pip_requirements": [_requirement("torch")]}
+    common = {
+        "name": MODEL_NAME,
+        "registered_model_name": registered,
+        "pip_requirements": [_requirement("torch")],
+    }
     if example is not None:
         with torch.no_grad():
             output = model(example)
@@ -144,7 +154,11 @@ def _pytorch(model: nn.Module, example: torch.Tensor | None, sequence: bool, reg
         signature = _signature(example, output.float(), sequence)
         try:
             info = mlflow.pytorch.log_model(
-                model, input_example=example.numpy(), signature=signature, serialization_format="pt2", **common
+                model,
+                input_example=example.numpy(),
+                signature=signature,
+                serialization_format="pt2",
+                **common,
             )
             return info, "pt2"
         except Exception as exc:  # torch.export refuses many kinds of Python code; pickle takes any
@@ -191,11 +205,17 @@ def log_model(
     model = model.cpu().eval()
     with tracking_errors(f"logging the model in MLflow run {run_id} at '{uri}'"), active_run(uri, run_id):
         if tokenizer is not None:
-            info, flavor, serialization = _transformers(model, tokenizer, registered), "transformers", "transformers"
+            info, flavor, serialization = (
+                _transformers(model, tokenizer, registered),
+                "transformers",
+                "transformers",
+            )
         else:
             info, serialization = _pytorch(model, example, sequence, registered)
             flavor = "pytorch"
-        logged = LoggedModel(info.model_uri, flavor, serialization, info.registered_model_version)
+        registered_version = info.registered_model_version
+        version_text = None if registered_version is None else str(registered_version)
+        logged = LoggedModel(info.model_uri, flavor, serialization, version_text)
         if register and logged.version is not None:
             logged.uri = f"models:/{register.name}/{logged.version}"
             if register.alias:
@@ -204,3 +224,72 @@ def log_model(
                 logged.uri = f"models:/{register.name}@{register.alias}"
         mlflow.set_tags({FORMAT_TAG: serialization, URI_TAG: logged.uri})
     return logged
+
+
+def run_tokenizer(workload: Workload, filesystem: Any, run_path: str) -> Any:
+    """The tokenizer a Hugging Face model was trained with, as a transformers tokenizer, or None:
+    the workload's `tokenizer.path` (type hf), or the tokenizer.json a run trained and saved
+    beside its checkpoints (type train_bpe)."""
+    spec = workload.tokenizer
+    if workload.model.hf is None or spec is None or spec.type not in ("hf", "train_bpe"):
+        return None
+    # deferred: transformers is an optional library (shoal[hf]) and takes seconds to import
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if spec.type == "hf":
+        assert spec.path is not None  # the schema asks for it
+        if Path(spec.path).is_dir():
+            return AutoTokenizer.from_pretrained(spec.path, local_files_only=True)
+        return PreTrainedTokenizerFast(tokenizer_file=spec.path)
+    saved = f"{run_path}/{TOKENIZER_FILE}"
+    if filesystem.get_file_info(saved).type != pafs.FileType.File:
+        return None
+    with tempfile.TemporaryDirectory(prefix="shoal-tokenizer-") as tmp:
+        local = str(Path(tmp) / TOKENIZER_FILE)
+        pafs.copy_files(saved, local, source_filesystem=filesystem)
+        return PreTrainedTokenizerFast(tokenizer_file=local)
+
+
+def model_example(model: nn.Module, task: str, train_files: list[str]) -> tuple[torch.Tensor | None, bool]:
+    """An input example for the pytorch flavour, and whether its second dimension is a sequence."""
+    if task == "lm":
+        return token_example(model), True
+    if task == "classify":
+        return feature_example(train_files), False
+    return None, False  # a custom model's inputs are its own: logged without a signature
+
+
+def log_final_model(
+    uri: str,
+    run_id: str,
+    loaded: LoadedWorkload,
+    filesystem: Any,
+    run_path: str,
+    register: RegisterSpec | None = None,
+) -> LoggedModel:
+    """The run's newest checkpoint, consolidated, logged (and registered) in its MLflow run."""
+    workload = loaded.workload
+    model = consolidated_model(workload, consolidate(filesystem, run_path))
+    tokenizer = run_tokenizer(workload, filesystem, run_path)
+    task = loaded.data.task if loaded.data else ""
+    example, sequence = model_example(model, task, loaded.data.train if loaded.data else [])
+    return log_model(uri, run_id, model, example, sequence, tokenizer, register)
+
+
+def register_run_model(uri: str, run_id: str, register: RegisterSpec) -> str:
+    """Register the model a run logged (a sweep's best trial) and point the alias at it."""
+    client = MlflowClient(tracking_uri=uri)
+    with tracking_errors(f"registering the model of MLflow run {run_id} at '{uri}'"):
+        logged = client.get_run(run_id).data.tags.get(URI_TAG)
+        if logged is None:
+            raise TrackingError(f"MLflow run {run_id} logged no model (tracking.log_model)")
+        previous = mlflow.get_registry_uri()
+        mlflow.set_registry_uri(uri)
+        try:
+            version = mlflow.register_model(logged, register.name).version
+        finally:
+            mlflow.set_registry_uri(previous)
+        if register.alias:
+            client.set_registered_model_alias(register.name, register.alias, version)
+            return f"models:/{register.name}@{register.alias}"
+    return f"models:/{register.name}/{version}"

@@ -1,0 +1,76 @@
+"""The final model as an MLflow model: any batch size and length, registered, loaded back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from shoal.models.gpt import GPT
+from shoal.spec.schema import RegisterSpec
+from shoal.tracking.model_log import URI_TAG, log_model, token_example
+
+
+@pytest.fixture
+def tracked(tmp_path: Path) -> tuple[str, str]:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.create_experiment("models", artifact_location=str(tmp_path / "artifacts"))
+    return uri, client.create_run(experiment).info.run_id
+
+
+def tiny_gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(vocab_size=64, seq_len=16, d_model=16, n_layers=1, n_heads=2).eval()
+
+
+def test_pytorch_flavour_takes_any_batch_and_length_and_loads_by_alias(tracked: tuple[str, str]) -> None:
+    uri, run_id = tracked
+    model = tiny_gpt()
+    logged = log_model(
+        uri,
+        run_id,
+        model,
+        token_example(model),
+        sequence=True,
+        register=RegisterSpec(name="tiny", alias="best"),
+    )
+    assert logged.uri == "models:/tiny@best" and logged.version == "1"
+    assert logged.serialization == "pt2" and logged.flavor == "pytorch"
+    assert MlflowClient(tracking_uri=uri).get_run(run_id).data.tags[URI_TAG] == "models:/tiny@best"
+    mlflow.set_tracking_uri(uri)
+    loaded = mlflow.pytorch.load_model("models:/tiny@best")
+    pyfunc = mlflow.pyfunc.load_model("models:/tiny@best")
+    for batch, length in ((1, 5), (3, 9), (3, 5), (1, 9)):
+        tokens = torch.randint(0, 64, (batch, length))
+        with torch.no_grad():
+            expected = model(tokens)
+        assert torch.allclose(loaded(tokens), expected, atol=1e-6), (batch, length)
+        predicted = pyfunc.predict(tokens.numpy())
+        assert np.allclose(predicted, expected.numpy(), atol=1e-6), (batch, length)
+
+
+class DictNet(torch.nn.Module):
+    """A classifier whose forward returns a mapping: the logged model returns its logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"logits": self.body(x), "norm": x.norm()}
+
+
+def test_a_model_returning_a_dict_is_logged_returning_logits(tracked: tuple[str, str]) -> None:
+    uri, run_id = tracked
+    model = DictNet().eval()
+    logged = log_model(uri, run_id, model, torch.randn(2, 6))
+    assert logged.uri.startswith("models:/") and logged.version is None
+    mlflow.set_tracking_uri(uri)
+    loaded = mlflow.pytorch.load_model(logged.uri)
+    x = torch.randn(5, 6)
+    assert torch.allclose(loaded(x), model(x)["logits"], atol=1e-6)
