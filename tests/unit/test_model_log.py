@@ -74,3 +74,57 @@ def test_a_model_returning_a_dict_is_logged_returning_logits(tracked: tuple[str,
     loaded = mlflow.pytorch.load_model(logged.uri)
     x = torch.randn(5, 6)
     assert torch.allclose(loaded(x), model(x)["logits"], atol=1e-6)
+
+
+def tiny_hf() -> tuple:
+    """A GPT2 from a tiny config and a BPE tokenizer trained here: nothing downloaded."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=120, special_tokens=["<eos>", "<unk>"])
+    bpe.train_from_iterator(["hello world", "the quick brown fox", "shoal trains models"] * 20, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>", unk_token="<unk>")
+    eos = tokenizer.eos_token_id
+    config = GPT2Config(
+        vocab_size=len(tokenizer),
+        n_positions=32,
+        n_embd=16,
+        n_layer=1,
+        n_head=2,
+        bos_token_id=eos,
+        eos_token_id=eos,
+    )
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(config).eval(), tokenizer
+
+
+def test_transformers_flavour_with_its_tokenizer_registers_and_generates(tracked: tuple[str, str]) -> None:
+    uri, run_id = tracked
+    model, tokenizer = tiny_hf()
+    logged = log_model(
+        uri, run_id, model, tokenizer=tokenizer, register=RegisterSpec(name="tinyhf", alias="prod")
+    )
+    assert (logged.flavor, logged.uri, logged.version) == ("transformers", "models:/tinyhf@prod", "1")
+    mlflow.set_tracking_uri(uri)
+    parts = mlflow.transformers.load_model("models:/tinyhf@prod", return_type="components")
+    ids = tokenizer("hello world", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        assert torch.allclose(parts["model"](ids).logits, model(ids).logits, atol=1e-6)
+    assert parts["tokenizer"]("hello world")["input_ids"] == ids[0].tolist()
+    generated = mlflow.pyfunc.load_model("models:/tinyhf@prod").predict(["hello"])
+    assert isinstance(generated[0], str) and generated[0].startswith("hello")
+
+
+def test_an_hf_model_without_a_tokenizer_is_logged_returning_its_logits(tracked: tuple[str, str]) -> None:
+    uri, run_id = tracked
+    model, _ = tiny_hf()
+    logged = log_model(uri, run_id, model, token_example(model), sequence=True)
+    assert logged.flavor == "pytorch"
+    mlflow.set_tracking_uri(uri)
+    loaded = mlflow.pytorch.load_model(logged.uri)
+    for shape in ((1, 5), (3, 9)):
+        ids = torch.randint(0, model.config.vocab_size, shape)
+        with torch.no_grad():
+            assert torch.allclose(loaded(ids), model(ids).logits, atol=1e-5), (shape, logged.serialization)
