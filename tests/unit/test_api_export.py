@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -86,3 +88,15 @@ def test_shoal_export_command(recorded: tuple, tmp_path: Path, capsys: pytest.Ca
 def test_load_export_refuses_a_folder_that_is_not_one(tmp_path: Path) -> None:
     with pytest.raises(ShoalError, match="is not a torch export"):
         shoal.load_export(tmp_path)
+
+
+def test_import_shoal_stays_light_until_the_api_is_used() -> None:
+    script = (
+        "import sys, shoal; heavy = ('torch', 'ray', 'mlflow');"
+        "print(sorted(m for m in heavy if m in sys.modules));"
+        "shoal.load_workload; print('shoal.api' in sys.modules, 'torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["[]", "True", "False"]  # the API loads its layers when called
+    with pytest.raises(AttributeError, match="no attribute 'train'"):
+        shoal.train  # noqa: B018 (the attribute access is the test)
