@@ -12,7 +12,8 @@ from mlflow.tracking import MlflowClient
 
 from shoal.models.gpt import GPT
 from shoal.spec.schema import RegisterSpec
-from shoal.tracking.model_log import URI_TAG, log_model, token_example
+from shoal.tracking.mlflow_run import TrackingError
+from shoal.tracking.model_log import URI_TAG, log_model, register_run_model, token_example
 
 
 @pytest.fixture
@@ -128,3 +129,25 @@ def test_an_hf_model_without_a_tokenizer_is_logged_returning_its_logits(tracked:
         ids = torch.randint(0, model.config.vocab_size, shape)
         with torch.no_grad():
             assert torch.allclose(loaded(ids), model(ids).logits, atol=1e-5), (shape, logged.serialization)
+
+
+def test_a_runs_logged_model_is_registered_afterwards(tracked: tuple[str, str]) -> None:
+    """What a sweep does with its best trial: the trial logged its model unregistered."""
+    uri, run_id = tracked
+    model = tiny_gpt()
+    assert log_model(uri, run_id, model, token_example(model), sequence=True).version is None
+    assert (
+        register_run_model(uri, run_id, RegisterSpec(name="best", alias="champion"))
+        == "models:/best@champion"
+    )
+    mlflow.set_tracking_uri(uri)
+    tokens = torch.randint(0, 64, (2, 7))
+    with torch.no_grad():
+        assert torch.allclose(
+            mlflow.pytorch.load_model("models:/best@champion")(tokens), model(tokens), atol=1e-6
+        )
+    other = MlflowClient(tracking_uri=uri).create_run(
+        MlflowClient(tracking_uri=uri).get_run(run_id).info.experiment_id
+    )
+    with pytest.raises(TrackingError, match="logged no model"):
+        register_run_model(uri, other.info.run_id, RegisterSpec(name="best"))

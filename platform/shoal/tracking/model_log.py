@@ -127,15 +127,22 @@ def _requirement(package: str) -> str:
 
 
 @contextmanager
-def active_run(uri: str, run_id: str) -> Iterator[None]:
-    """MLflow's fluent API (log_model) inside this run, the process's tracking URI restored after."""
+def using_uri(uri: str) -> Iterator[None]:
+    """MLflow's fluent API (log_model, register_model) against `uri` (the registry follows it
+    unless one is set apart); the process's tracking URI restored after."""
     previous = mlflow.get_tracking_uri()
     mlflow.set_tracking_uri(uri)
     try:
-        with mlflow.start_run(run_id=run_id):
-            yield
+        yield
     finally:
         mlflow.set_tracking_uri(previous)
+
+
+@contextmanager
+def active_run(uri: str, run_id: str) -> Iterator[None]:
+    """The run as MLflow's active run, against `uri`."""
+    with using_uri(uri), mlflow.start_run(run_id=run_id):
+        yield
 
 
 def _pytorch(model: nn.Module, example: torch.Tensor | None, sequence: bool, registered: str | None) -> Any:
@@ -283,12 +290,8 @@ def register_run_model(uri: str, run_id: str, register: RegisterSpec) -> str:
         logged = client.get_run(run_id).data.tags.get(URI_TAG)
         if logged is None:
             raise TrackingError(f"MLflow run {run_id} logged no model (tracking.log_model)")
-        previous = mlflow.get_registry_uri()
-        mlflow.set_registry_uri(uri)
-        try:
+        with using_uri(uri):
             version = mlflow.register_model(logged, register.name).version
-        finally:
-            mlflow.set_registry_uri(previous)
         if register.alias:
             client.set_registered_model_alias(register.name, register.alias, version)
             return f"models:/{register.name}@{register.alias}"
