@@ -328,9 +328,9 @@ def _log_final_model(
             register,
         )
         result.model_uri = logged.uri
-    except ShoalError as exc:
-        result.model_error = str(exc)
-        log.warning("the final model was not logged: %s", exc)
+    except Exception as exc:  # the training succeeded and is recorded; only its model is missing
+        result.model_error = str(exc) if isinstance(exc, ShoalError) else f"{type(exc).__name__}: {exc}"
+        log.warning("the final model was not logged: %s", result.model_error, exc_info=True)
 
 
 def _fill_result(result: RunResult, recorder: Recorder) -> None:
