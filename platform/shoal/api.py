@@ -222,7 +222,7 @@ def export(
     else:
         with _on_path(job.cwd):
             model = consolidated_model(workload, consolidated)
-        _save_hf(model, workload, storage, name, target)
+        _save_hf(model, workload, uri, job.run_id, target)
     info = {"run_id": job.run_id, "run_name": job.run_name, "step": consolidated.step}
     (target / EXPORT_INFO).write_text(json.dumps({**info, "checkpoint": consolidated.checkpoint}, indent=1))
     files = sorted(str(p.relative_to(target)) for p in target.rglob("*") if p.is_file())
@@ -239,12 +239,12 @@ def _recorded_workload(spec_yaml: str, where: str) -> Any:
     return validate_data(yaml.safe_load(spec_yaml), Source(where))
 
 
-def _save_hf(model: nn.Module, workload: Any, storage: Any, run_name: str, target: Path) -> None:
+def _save_hf(model: nn.Module, workload: Any, uri: str, run_id: str, target: Path) -> None:
     # deferred: transformers (seconds), only for this format
-    from shoal.tracking.model_log import run_tokenizer
+    from shoal.tracking.model_log import recorded_tokenizer
 
     model.save_pretrained(target)
-    tokenizer = run_tokenizer(workload, storage.filesystem, storage.run_path(run_name))
+    tokenizer = recorded_tokenizer(workload, uri, run_id)
     if tokenizer is not None:
         tokenizer.save_pretrained(target)
 

@@ -11,9 +11,17 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from shoal.models.gpt import GPT
-from shoal.spec.schema import RegisterSpec
+from shoal.spec.schema import RegisterSpec, TokenizerSpec, Workload
 from shoal.tracking.mlflow_run import TrackingError
-from shoal.tracking.model_log import URI_TAG, log_model, register_run_model, token_example
+from shoal.tracking.model_log import (
+    TOKENIZER_DIR,
+    URI_TAG,
+    hf_tokenizer,
+    log_model,
+    recorded_tokenizer,
+    register_run_model,
+    token_example,
+)
 
 
 @pytest.fixture
@@ -151,3 +159,29 @@ def test_a_runs_logged_model_is_registered_afterwards(tracked: tuple[str, str]) 
     )
     with pytest.raises(TrackingError, match="logged no model"):
         register_run_model(uri, other.info.run_id, RegisterSpec(name="best"))
+
+
+def test_the_runs_tokenizer_is_found_in_its_folder_or_its_mlflow_artifact(
+    tracked: tuple[str, str], tmp_path: Path
+) -> None:
+    uri, run_id = tracked
+    _, tokenizer = tiny_hf()
+    folder = tmp_path / "run" / TOKENIZER_DIR
+    tokenizer.save_pretrained(folder)
+    hf = {"hf": {"config": {"model_type": "gpt2", "vocab_size": len(tokenizer)}}}
+    workload = Workload.model_validate(
+        {
+            "name": "w",
+            "model": hf,
+            "data": {"train": {"path": "t.jsonl"}},
+            "tokenizer": {"type": "train_bpe", "vocab_size": 120},
+            "train": {"max_steps": 1},
+        }
+    )
+    ids = tokenizer("hello world")["input_ids"]
+    assert hf_tokenizer(workload, folder)("hello world")["input_ids"] == ids
+    assert recorded_tokenizer(workload, uri, run_id) is None  # nothing logged yet
+    MlflowClient(tracking_uri=uri).log_artifacts(run_id, str(folder), TOKENIZER_DIR)
+    assert recorded_tokenizer(workload, uri, run_id)("hello world")["input_ids"] == ids
+    byte = workload.model_copy(update={"tokenizer": TokenizerSpec(type="byte")})
+    assert hf_tokenizer(byte, tmp_path / "nothing") is None

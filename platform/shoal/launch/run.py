@@ -315,7 +315,7 @@ def _log_final_model(
     """The newest checkpoint as an MLflow model; a failure to log it is reported, not fatal.
     A sweep's trials log theirs unregistered: the sweep registers its best trial's."""
     # deferred: consolidation reads the model with torch; only runs that end log one
-    from shoal.tracking.model_log import log_final_model
+    from shoal.tracking.model_log import TOKENIZER_DIR, log_final_model
 
     try:
         register = None if SWEEP_TAG in options.tags else loaded.workload.tracking.register
@@ -326,6 +326,7 @@ def _log_final_model(
             storage.filesystem,
             storage.run_path(run_name),
             register,
+            tokenizer_dir=Path(result.run_dir) / TOKENIZER_DIR,  # the run keeps its tokenizer there
         )
         result.model_uri = logged.uri
     except Exception as exc:  # the training succeeded and is recorded; only its model is missing

@@ -31,9 +31,9 @@ from typing import Any
 
 import mlflow
 import numpy as np
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import torch
+from mlflow.exceptions import MlflowException
 from mlflow.models import ModelSignature
 from mlflow.tracking import MlflowClient
 from mlflow.types import Schema, TensorSpec
@@ -50,7 +50,7 @@ MODEL_NAME = "model"  # the logged model's name in its run (runs:/RUN_ID/model)
 EXAMPLE_ROWS, EXAMPLE_TOKENS = 2, 8  # > 1 each: torch.export fixes size-1 dimensions
 FORMAT_TAG = "shoal.model_format"
 URI_TAG = "shoal.model_uri"
-TOKENIZER_FILE = "tokenizer.json"  # a tokenizer trained by the run, saved beside its checkpoints
+TOKENIZER_DIR = "tokenizer"  # a run's tokenizer: in its local run directory, and an MLflow artifact
 
 
 class LogitsOnly(nn.Module):
@@ -233,28 +233,37 @@ def log_model(
     return logged
 
 
-def run_tokenizer(workload: Workload, filesystem: Any, run_path: str) -> Any:
-    """The tokenizer a Hugging Face model was trained with, as a transformers tokenizer, or None:
-    the workload's `tokenizer.path` (type hf), or the tokenizer.json a run trained and saved
-    beside its checkpoints (type train_bpe)."""
+def hf_tokenizer(workload: Workload, folder: Path | None) -> Any:
+    """The tokenizer a Hugging Face model trained with, as a transformers tokenizer, or None:
+    the run's saved one (`folder`: `tokenizer.json` + its config, for the hf and train_bpe
+    kinds), else the workload's `tokenizer.path` (kind hf)."""
     spec = workload.tokenizer
-    if workload.model.hf is None or spec is None or spec.type not in ("hf", "train_bpe"):
+    if workload.model.hf is None or spec is None:
         return None
+    if folder is not None and (folder / "tokenizer.json").is_file():
+        source = folder
+    elif spec.type == "hf" and spec.path is not None:
+        source = Path(spec.path)
+    else:
+        return None  # byte and tiktoken tokenizers are not transformers tokenizers
     # deferred: transformers is an optional library (shoal[hf]) and takes seconds to import
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    if spec.type == "hf":
-        assert spec.path is not None  # the schema asks for it
-        if Path(spec.path).is_dir():
-            return AutoTokenizer.from_pretrained(spec.path, local_files_only=True)
-        return PreTrainedTokenizerFast(tokenizer_file=spec.path)
-    saved = f"{run_path}/{TOKENIZER_FILE}"
-    if filesystem.get_file_info(saved).type != pafs.FileType.File:
+    if source.is_dir():
+        return AutoTokenizer.from_pretrained(str(source), local_files_only=True)
+    return PreTrainedTokenizerFast(tokenizer_file=str(source))
+
+
+def recorded_tokenizer(workload: Workload, uri: str, run_id: str) -> Any:
+    """`hf_tokenizer` from the tokenizer a run logged as an MLflow artifact (TOKENIZER_DIR)."""
+    if workload.model.hf is None or workload.tokenizer is None:
         return None
     with tempfile.TemporaryDirectory(prefix="shoal-tokenizer-") as tmp:
-        local = str(Path(tmp) / TOKENIZER_FILE)
-        pafs.copy_files(saved, local, source_filesystem=filesystem)
-        return PreTrainedTokenizerFast(tokenizer_file=local)
+        try:
+            folder = MlflowClient(tracking_uri=uri).download_artifacts(run_id, TOKENIZER_DIR, tmp)
+        except (MlflowException, OSError):
+            folder = None  # none logged: the workload's own path, if any
+        return hf_tokenizer(workload, Path(folder) if folder else None)
 
 
 def model_example(model: nn.Module, task: str, train_files: list[str]) -> tuple[torch.Tensor | None, bool]:
@@ -273,11 +282,13 @@ def log_final_model(
     filesystem: Any,
     run_path: str,
     register: RegisterSpec | None = None,
+    tokenizer_dir: Path | None = None,
 ) -> LoggedModel:
-    """The run's newest checkpoint, consolidated, logged (and registered) in its MLflow run."""
+    """The run's newest checkpoint, consolidated, logged (and registered) in its MLflow run;
+    `tokenizer_dir`: where the run keeps its tokenizer."""
     workload = loaded.workload
     model = consolidated_model(workload, consolidate(filesystem, run_path))
-    tokenizer = run_tokenizer(workload, filesystem, run_path)
+    tokenizer = hf_tokenizer(workload, tokenizer_dir)
     task = loaded.data.task if loaded.data else ""
     example, sequence = model_example(model, task, loaded.data.train if loaded.data else [])
     return log_model(uri, run_id, model, example, sequence, tokenizer, register)
