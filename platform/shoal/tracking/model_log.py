@@ -266,9 +266,12 @@ def recorded_tokenizer(workload: Workload, uri: str, run_id: str) -> Any:
         return hf_tokenizer(workload, Path(folder) if folder else None)
 
 
-def model_example(model: nn.Module, task: str, train_files: list[str]) -> tuple[torch.Tensor | None, bool]:
-    """An input example for the pytorch flavour, and whether its second dimension is a sequence."""
-    if task == "lm":
+def model_example(
+    model: nn.Module, workload: Workload, task: str, train_files: list[str]
+) -> tuple[torch.Tensor | None, bool]:
+    """An input example for the pytorch flavour, and whether its second dimension is a sequence.
+    Hugging Face models take token ids whatever their task (`custom`: their own loss)."""
+    if task == "lm" or workload.model.hf is not None:
         return token_example(model), True
     if task == "classify":
         return feature_example(train_files), False
@@ -290,7 +293,7 @@ def log_final_model(
     model = consolidated_model(workload, consolidate(filesystem, run_path))
     tokenizer = hf_tokenizer(workload, tokenizer_dir)
     task = loaded.data.task if loaded.data else ""
-    example, sequence = model_example(model, task, loaded.data.train if loaded.data else [])
+    example, sequence = model_example(model, workload, task, loaded.data.train if loaded.data else [])
     return log_model(uri, run_id, model, example, sequence, tokenizer, register)
 
 
