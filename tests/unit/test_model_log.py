@@ -18,6 +18,7 @@ from shoal.tracking.model_log import (
     URI_TAG,
     hf_tokenizer,
     log_model,
+    model_example,
     recorded_tokenizer,
     register_run_model,
     token_example,
@@ -185,3 +186,19 @@ def test_the_runs_tokenizer_is_found_in_its_folder_or_its_mlflow_artifact(
     assert recorded_tokenizer(workload, uri, run_id)("hello world")["input_ids"] == ids
     byte = workload.model_copy(update={"tokenizer": TokenizerSpec(type="byte")})
     assert hf_tokenizer(byte, tmp_path / "nothing") is None
+
+
+def test_a_classifiers_example_comes_from_its_mapped_data_column(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [[float(i + j) for j in range(6)] for i in range(4)]
+    pq.write_table(pa.table({"pixels": rows, "label": [0, 1, 0, 1]}), tmp_path / "t.parquet")
+    spec = {"name": "w", "model": {"family": "mlp"}, "train": {"max_steps": 1}}
+    mapped = Workload.model_validate(
+        {**spec, "data": {"train": {"path": str(tmp_path)}, "columns": {"pixels": "x", "label": "y"}}}
+    )
+    example, sequence = model_example(DictNet(), mapped, "classify", [str(tmp_path / "t.parquet")])
+    assert not sequence and torch.equal(example, torch.tensor(rows[:2]))
+    unmapped = Workload.model_validate({**spec, "data": {"train": {"path": str(tmp_path)}}})
+    assert model_example(DictNet(), unmapped, "classify", [str(tmp_path / "t.parquet")]) == (None, False)

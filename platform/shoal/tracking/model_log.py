@@ -101,7 +101,7 @@ def token_example(model: nn.Module) -> torch.Tensor:
 
 def feature_example(train_files: list[str], column: str = "x") -> torch.Tensor | None:
     """The first rows of a classifier's input column in the (local) training data."""
-    if not train_files or "://" in train_files[0]:
+    if not train_files or "://" in train_files[0] or column not in pq.read_schema(train_files[0]).names:
         return None
     table = pq.ParquetFile(train_files[0]).read_row_group(0, columns=[column]).slice(0, EXAMPLE_ROWS)
     rows = np.asarray(table.column(column).to_pylist(), dtype=np.float32)
@@ -273,8 +273,9 @@ def model_example(
     Hugging Face models take token ids whatever their task (`custom`: their own loss)."""
     if task == "lm" or workload.model.hf is not None:
         return token_example(model), True
-    if task == "classify":
-        return feature_example(train_files), False
+    if task == "classify":  # the data column that feeds the forward's `x` (data.columns)
+        column = next((c for c, arg in workload.data.columns.items() if arg == "x"), "x")
+        return feature_example(train_files, column), False
     return None, False  # a custom model's inputs are its own: logged without a signature
 
 
