@@ -168,6 +168,8 @@ def _pytorch(model: nn.Module, example: torch.Tensor | None, sequence: bool, reg
                 **common,
             )
             return info, "pt2"
+        except MlflowException:
+            raise  # the store's or registry's answer: pickling would not change it
         except Exception as exc:  # torch.export refuses many kinds of Python code; pickle takes any
             log.warning("torch.export cannot trace %s (%s); saving with pickle", type(model).__name__, exc)
         return mlflow.pytorch.log_model(
