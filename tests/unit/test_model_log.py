@@ -202,3 +202,28 @@ def test_a_classifiers_example_comes_from_its_mapped_data_column(tmp_path: Path)
     assert not sequence and torch.equal(example, torch.tensor(rows[:2]))
     unmapped = Workload.model_validate({**spec, "data": {"train": {"path": str(tmp_path)}}})
     assert model_example(DictNet(), unmapped, "classify", [str(tmp_path / "t.parquet")]) == (None, False)
+
+
+class Branchy(torch.nn.Module):
+    """Data-dependent Python control flow: torch.export cannot trace it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum().item() > 0:
+            return self.body(x)
+        return -self.body(x)
+
+
+def test_a_model_torch_export_refuses_is_pickled(tracked: tuple[str, str]) -> None:
+    uri, run_id = tracked
+    model = Branchy().eval()
+    logged = log_model(uri, run_id, model, torch.ones(2, 4))
+    assert logged.serialization == "pickle"
+    assert MlflowClient(tracking_uri=uri).get_run(run_id).data.tags["shoal.model_format"] == "pickle"
+    mlflow.set_tracking_uri(uri)
+    loaded = mlflow.pytorch.load_model(logged.uri)
+    for x in (torch.ones(3, 4), -torch.ones(1, 4)):
+        assert torch.allclose(loaded(x), model(x))
