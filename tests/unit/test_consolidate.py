@@ -60,3 +60,13 @@ def test_an_unsealed_checkpoint_is_refused(fsdp_checkpoint: tuple, tmp_path: Pat
     (copy / "manifest-rank1.json").unlink()
     with pytest.raises(CheckpointError, match="rank 1 of 2 never finished writing"):
         read_model_state(copy)
+
+
+def test_a_checkpoint_behind_another_filesystem_is_copied_then_read(fsdp_checkpoint: tuple) -> None:
+    """Object storage's path: any pyarrow filesystem that is not the local one (here a subtree
+    view of a local directory, as s3:// is of a bucket) is copied to a temporary directory."""
+    run_dir, weights, _ = fsdp_checkpoint
+    subtree = pafs.SubTreeFileSystem(str(run_dir.parent), pafs.LocalFileSystem())
+    found = consolidate(subtree, "run", step=3)
+    assert found.checkpoint == "run/checkpoint-00000003"
+    assert all(torch.equal(found.state_dict[k], v) for k, v in weights.items())
