@@ -25,12 +25,19 @@ from shoal.tracking.model_log import (
 )
 
 
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """One MLflow store for the module (a new sqlite store takes seconds to set up)."""
+    root = tmp_path_factory.mktemp("mlflow")
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    return uri, MlflowClient(tracking_uri=uri).create_experiment("models", artifact_location=str(root / "a"))
+
+
 @pytest.fixture
-def tracked(tmp_path: Path) -> tuple[str, str]:
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    client = MlflowClient(tracking_uri=uri)
-    experiment = client.create_experiment("models", artifact_location=str(tmp_path / "artifacts"))
-    return uri, client.create_run(experiment).info.run_id
+def tracked(store: tuple[str, str]) -> tuple[str, str]:
+    """A fresh run in the module's store: (tracking URI, run id)."""
+    uri, experiment = store
+    return uri, MlflowClient(tracking_uri=uri).create_run(experiment).info.run_id
 
 
 def tiny_gpt() -> GPT:
