@@ -140,6 +140,8 @@ def sweep(
         loaded = load_workload(source, overrides, prepare_data=True)
         if loaded.workload.sweep is None:
             raise ShoalError(f"{loaded.source.file}: no 'sweep' section (see README, 'Sweeps')")
+        if not Path(loaded.source.file).is_file():  # the best configuration is written from it
+            raise ShoalError("a sweep takes its workload as a file or a dict, not one loaded from a dict")
         result = launch_sweep(
             loaded, SweepOptions(address=address, name=name, resume=resume, verbose=verbose)
         )

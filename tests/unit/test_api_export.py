@@ -100,3 +100,14 @@ def test_import_shoal_stays_light_until_the_api_is_used() -> None:
     assert done.stdout.split() == ["[]", "True", "False"]  # the API loads its layers when called
     with pytest.raises(AttributeError, match="no attribute 'train'"):
         shoal.train  # noqa: B018 (the attribute access is the test)
+
+
+def test_sweep_refuses_what_it_cannot_run_before_starting_anything() -> None:
+    with pytest.raises(ShoalError, match="no 'sweep' section"):
+        shoal.sweep(GPT)
+    swept = {
+        **GPT,
+        "sweep": {"space": {"train.optimizer.lr": {"choice": [0.1, 0.01]}}, "metric": "train/loss"},
+    }
+    with pytest.raises(ShoalError, match="not one loaded from a dict"):
+        shoal.sweep(shoal.load_workload(swept))
