@@ -96,6 +96,20 @@ def _parser() -> argparse.ArgumentParser:
     prepare.add_argument("--seed", type=int, default=0)
     prepare.add_argument("--seq-len", type=int, default=256, help="pytext window length in tokens")
     prepare.add_argument("--force", action="store_true", help="prepare again even if present")
+    export = commands.add_parser(
+        "export",
+        help="write a consolidated model from a checkpoint of a recorded run",
+        parents=[shared.tracking_uri],
+    )
+    export.add_argument("run", help="MLflow run id or run name")
+    export.add_argument("dir", help="target directory")
+    export.add_argument("--step", type=int, help="the checkpoint of this step (default: the newest)")
+    export.add_argument(
+        "--format",
+        choices=["torch", "hf"],
+        default="torch",
+        help="torch: state dict + workload; hf: save_pretrained",
+    )
     cli_inspect.add_parsers(commands, shared)
     cli_runs.add_parser(commands, shared)
     return parser
@@ -108,9 +122,9 @@ def _user_error(message: str) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     # deferred: this layer imports torch, Ray or MLflow (seconds); see the module docstring
-    from shoal.spec import load
+    from shoal.api import load_workload
 
-    loaded = load(args.file, args.overrides)
+    loaded = load_workload(args.file, args.overrides)
     w = loaded.workload
     low, high = w.scaling.worker_range()
     workers = str(low) if low == high else f"{low}-{high}"
@@ -151,12 +165,12 @@ def cmd_data(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     # deferred: this layer imports torch, Ray or MLflow (seconds); see the module docstring
+    from shoal.api import load_workload
     from shoal.launch import RunOptions
     from shoal.launch.jobs import leave_job_working_dir
-    from shoal.spec import load
 
     leave_job_working_dir()
-    loaded = load(args.file, args.overrides, prepare_data=True)
+    loaded = load_workload(args.file, args.overrides, prepare_data=True)
     options = RunOptions(
         address=args.address, run_name=args.run_name, verbose=args.verbose, mlflow_run_id=args.mlflow_run_id
     )
@@ -166,8 +180,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_resume(args: argparse.Namespace) -> int:
     """Re-run what an MLflow run recorded (its resolved workload, its checkpoint location)."""
     # deferred: this layer imports torch, Ray or MLflow (seconds); see the module docstring
+    from shoal.api import load_workload
     from shoal.launch import RunOptions
-    from shoal.spec import load
     from shoal.tracking import resolve_uri
     from shoal.tracking.mlflow_run import recorded_job
 
@@ -182,25 +196,25 @@ def cmd_resume(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="shoal-resume-") as tmp:
         spec_file = Path(tmp) / f"{job.run_name}.yaml"
         spec_file.write_text(job.spec_yaml)
-        loaded = load(spec_file, overrides, prepare_data=True)
+        loaded = load_workload(spec_file, overrides, prepare_data=True)
     console.print(f"resuming {job.run_name} (MLflow run {job.run_id}) from {job.run_dir}")
     return _train(loaded, RunOptions(address=args.address, run_name=job.run_name, verbose=args.verbose))
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     # deferred: this layer imports torch, Ray or MLflow (seconds); see the module docstring
-    from shoal.launch.sweep import SweepOptions, sweep
+    from shoal.api import load_workload, sweep
     from shoal.launch.sweep_view import SweepTable, summary
-    from shoal.spec import load
 
-    loaded = load(args.file, args.overrides, prepare_data=True)
+    loaded = load_workload(args.file, args.overrides, prepare_data=True)
     spec = loaded.workload.sweep
     if spec is None:
         return _user_error(f"{args.file}: no 'sweep' section (see README, 'Sweeps')")
-    options = SweepOptions(address=args.address, name=args.name, resume=args.resume, verbose=args.verbose)
     with SweepTable(console, list(spec.space), spec.metric, spec.mode):
-        result = sweep(loaded, options)
+        result = sweep(loaded, address=args.address, name=args.name, resume=args.resume, verbose=args.verbose)
     console.print(summary(result))
+    if result.model_uri:
+        console.print(f"best trial's model: {result.model_uri}", soft_wrap=True)
     if result.best_yaml:
         console.print(f"best configuration ({result.best_file}):", soft_wrap=True)
         console.print(result.best_yaml, markup=False, soft_wrap=True)
@@ -310,15 +324,30 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    # deferred: this layer imports torch, Ray or MLflow (seconds); see the module docstring
+    from shoal.api import export
+
+    done = export(args.run, args.dir, args.format, args.step, args.tracking_uri)
+    console.print(
+        f"[green]exported[/] {escape(done.run_name)} step {done.step} ({done.format}) "
+        f"to {escape(done.directory)}: {', '.join(done.files)}",
+        soft_wrap=True,
+    )
+    return 0
+
+
 def _train(loaded: LoadedWorkload, options: RunOptions) -> int:
     # deferred: this layer imports torch, Ray or MLflow (seconds); see the module docstring
-    from shoal.launch import run
+    from shoal.api import run
     from shoal.launch.progress import TerminalProgress, summary_table
 
     with TerminalProgress(console) as progress:
-        result = run(loaded, options, progress)
+        result = run(loaded, options=options, observer=progress)
     console.print(summary_table(result))
     console.print(f"MLflow run id: {result.run_id}")
+    if result.model_uri:
+        console.print(f"model: {result.model_uri}", soft_wrap=True)
     if result.status == "KILLED":
         return EXIT_INTERRUPTED
     return 0 if result.ok else EXIT_FAILED
@@ -334,6 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "jobs": cmd_jobs,
         "validate": cmd_validate,
         "data": cmd_data,
+        "export": cmd_export,
         "runs": lambda a: cli_runs.cmd_runs(console, a),
         "plan": lambda a: cli_inspect.cmd_plan(console, a),
         "doctor": lambda a: cli_inspect.cmd_doctor(console, a),

@@ -15,6 +15,7 @@ from typing import Any
 import pyarrow.parquet as pq
 import yaml
 
+from shoal.errors import ShoalError
 from shoal.launch.cluster import QUIET_ENV, ClusterError, quiet_ray_logging, ray_session
 from shoal.launch.retention import BestKeeper
 from shoal.launch.storage import Storage, open_storage, probe
@@ -27,6 +28,7 @@ from shoal.worker.config import WorkerConfig
 
 log = logging.getLogger("shoal")
 REPORT_INTERVAL_S = 3.0
+SWEEP_TAG = "shoal.sweep"  # a sweep's trials carry it (launch/tuning.py)
 # The step metrics a run's result (and its summary table) shows, beside the evaluations.
 RESULT_METRICS = (
     Metric.TRAIN_LOSS,
@@ -66,6 +68,8 @@ class RunResult:
     resumed_from: int | None = None
     reason: str | None = None
     unsent_writes: int = 0  # MLflow writes lost to an unreachable tracking store
+    model_uri: str | None = None  # the final model in MLflow (tracking.log_model)
+    model_error: str | None = None  # why it could not be logged (the training itself succeeded)
 
     @property
     def ok(self) -> bool:
@@ -290,6 +294,9 @@ def run(
             fit_interruptibly(trainer)
             result.status = "FAILED" if recorder.state.fatal else "FINISHED"
             result.reason = recorder.state.fatal
+            if result.ok and w.tracking.log_model:
+                drainer.finish()  # every checkpoint of the run is known before the last is read
+                _log_final_model(result, loaded, storage, run_name, options)
         except TrainingFailedError as exc:
             result.reason = storage_hint(failure_reason(exc), storage)
         except KeyboardInterrupt:
@@ -300,6 +307,31 @@ def run(
             _fill_result(result, recorder)
             result.unsent_writes = recorder.finish(result.status)
     return result
+
+
+def _log_final_model(
+    result: RunResult, loaded: LoadedWorkload, storage: Storage, run_name: str, options: RunOptions
+) -> None:
+    """The newest checkpoint as an MLflow model; a failure to log it is reported, not fatal.
+    A sweep's trials log theirs unregistered: the sweep registers its best trial's."""
+    # deferred: consolidation reads the model with torch; only runs that end log one
+    from shoal.tracking.model_log import TOKENIZER_DIR, log_final_model
+
+    try:
+        register = None if SWEEP_TAG in options.tags else loaded.workload.tracking.register_
+        logged = log_final_model(
+            result.tracking_uri,
+            result.run_id,
+            loaded,
+            storage.filesystem,
+            storage.run_path(run_name),
+            register,
+            tokenizer_dir=Path(result.run_dir) / TOKENIZER_DIR,  # the run keeps its tokenizer there
+        )
+        result.model_uri = logged.uri
+    except Exception as exc:  # the training succeeded and is recorded; only its model is missing
+        result.model_error = str(exc) if isinstance(exc, ShoalError) else f"{type(exc).__name__}: {exc}"
+        log.warning("the final model was not logged: %s", result.model_error, exc_info=True)
 
 
 def _fill_result(result: RunResult, recorder: Recorder) -> None:

@@ -182,6 +182,7 @@ class TrackingSpec(Section):
     experiment: str | None = None
     uri: str | None = None
     register_: RegisterSpec | None = Field(None, alias="register")  # the final model's registered name
+    log_model: bool = True  # log the final weights as an MLflow model at the end of a run
 
 
 class TokenizerSpec(Section):
