@@ -8,9 +8,18 @@ that each error can name its own path.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveFloat,
+    PositiveInt,
+    field_validator,
+    model_validator,
+)
 
 from shoal.messages import Metric
 
@@ -176,6 +185,13 @@ class FailureSpec(Section):
 class RegisterSpec(Section):
     name: str = Field(min_length=1)  # the MLflow registered model
     alias: str | None = None  # set on the new version (models:/NAME@ALIAS)
+
+    @field_validator("alias")
+    @classmethod
+    def _alias_mlflow_allows(cls, alias: str | None) -> str | None:
+        if alias is not None and re.fullmatch(r"(?i)latest|v\d+", alias):
+            raise ValueError(f"MLflow reserves the alias {alias!r} ('latest' and v<number>)")
+        return alias
 
 
 class TrackingSpec(Section):
