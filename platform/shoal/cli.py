@@ -96,9 +96,19 @@ def _parser() -> argparse.ArgumentParser:
     prepare.add_argument("--seed", type=int, default=0)
     prepare.add_argument("--seq-len", type=int, default=256, help="pytext window length in tokens")
     prepare.add_argument("--force", action="store_true", help="prepare again even if present")
+    pack = data_commands.add_parser(
+        "pack",
+        help="tokenize and pack a workload's raw text into the data cache a run reads",
+        parents=[shared.overrides],
+    )
+    pack.add_argument("file", help="workload YAML whose data section names raw text")
     cli_inspect.add_parsers(commands, shared)
     cli_runs.add_parser(commands, shared)
     return parser
+
+
+def _say(message: str) -> None:
+    console.print(escape(message), soft_wrap=True)
 
 
 def _user_error(message: str) -> int:
@@ -127,6 +137,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_data(args: argparse.Namespace) -> int:
+    return cmd_data_pack(args) if args.data_command == "pack" else cmd_data_prepare(args)
+
+
+def cmd_data_prepare(args: argparse.Namespace) -> int:
     # deferred: this layer imports torch, Ray or MLflow (seconds); see the module docstring
     from shoal.data import BUILTINS, prepare
 
@@ -149,6 +163,55 @@ def cmd_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_data_pack(args: argparse.Namespace) -> int:
+    # deferred: this layer imports torch, Ray or MLflow (seconds); see the module docstring
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from shoal.data import PackProgress, plan_text
+    from shoal.spec import load
+
+    loaded = load(args.file, args.overrides)
+    w, plan = loaded.workload, loaded.data
+    if plan is None or plan.text is None:
+        where = "data.builtin" if w.data.builtin else "data.train.path"
+        return _user_error(f"{args.file}: {where} names token data, not raw text; there is nothing to pack")
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console) as bar:
+        tasks: dict[str, Any] = {}
+
+        def advance(split: str, done: int, total: int) -> None:
+            if split not in tasks:
+                tasks[split] = bar.add_task(f"{split} documents", total=total)
+            bar.update(tasks[split], completed=done)
+
+        text = plan_text(
+            w.data.model_dump(mode="json"),
+            w.model.model_dump(),
+            plan.task,
+            w.tokenizer.model_dump() if w.tokenizer else None,
+            prepare=True,
+            progress=PackProgress(say=lambda m: bar.console.print(m, soft_wrap=True), advance=advance),
+        )
+    assert text is not None
+    _print_packed(text)
+    return 0
+
+
+def _print_packed(text: Any) -> None:
+    state = "found in the cache" if text.reused else "packed"
+    console.print(f"[green]{state}[/] {text.directory}", soft_wrap=True)
+    window = text.request.seq_len + 1
+    for split, stats in text.stats.items():
+        console.print(
+            f"  {split}: {stats['documents']:,} documents -> {stats['windows']:,} windows of {window} tokens "
+            f"({stats['tokens']:,} tokens; {stats['dropped_tokens']:,} after the last window dropped)"
+        )
+    kind = text.request.tokenizer.get("type", "byte")
+    console.print(
+        f"  tokenizer: {kind}, vocabulary {text.vocab_size:,}, in {text.tokenizer_dir}", soft_wrap=True
+    )
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     # deferred: this layer imports torch, Ray or MLflow (seconds); see the module docstring
     from shoal.launch import RunOptions
@@ -156,7 +219,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from shoal.spec import load
 
     leave_job_working_dir()
-    loaded = load(args.file, args.overrides, prepare_data=True)
+    loaded = load(args.file, args.overrides, prepare_data=True, on_progress=_say)
     options = RunOptions(
         address=args.address, run_name=args.run_name, verbose=args.verbose, mlflow_run_id=args.mlflow_run_id
     )
@@ -182,7 +245,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="shoal-resume-") as tmp:
         spec_file = Path(tmp) / f"{job.run_name}.yaml"
         spec_file.write_text(job.spec_yaml)
-        loaded = load(spec_file, overrides, prepare_data=True)
+        loaded = load(spec_file, overrides, prepare_data=True, on_progress=_say)
     console.print(f"resuming {job.run_name} (MLflow run {job.run_id}) from {job.run_dir}")
     return _train(loaded, RunOptions(address=args.address, run_name=job.run_name, verbose=args.verbose))
 
@@ -193,7 +256,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from shoal.launch.sweep_view import SweepTable, summary
     from shoal.spec import load
 
-    loaded = load(args.file, args.overrides, prepare_data=True)
+    loaded = load(args.file, args.overrides, prepare_data=True, on_progress=_say)
     spec = loaded.workload.sweep
     if spec is None:
         return _user_error(f"{args.file}: no 'sweep' section (see README, 'Sweeps')")

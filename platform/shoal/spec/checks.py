@@ -6,9 +6,13 @@ before anything is launched.
 
 from __future__ import annotations
 
+import inspect
+import json
 import os
 from pathlib import Path
+from typing import Any
 
+from shoal.data import DataPlan
 from shoal.degrees import DegreeError, Degrees
 from shoal.messages import VAL_PREFIX, Metric
 from shoal.models import ModelError, ParallelModel, check_args, model_class, model_task
@@ -176,3 +180,42 @@ def check_storage(workload: Workload, source: Source) -> list[SpecIssue]:
     if not os.access(probe, os.W_OK):
         return [_issue(source, "checkpoint.storage", f"'{storage}' is not writable")]
     return []
+
+
+def _model_vocab(workload: Workload) -> tuple[str, int] | None:
+    """(spec path, vocabulary size) of the model, where the spec or the model's defaults say it."""
+    model = workload.model
+    if "vocab_size" in model.args:
+        return "model.args.vocab_size", int(model.args["vocab_size"])
+    if model.hf is not None:
+        if model.hf.config is not None:
+            size = model.hf.config.get("vocab_size")
+            return ("model.hf.config.vocab_size", int(size)) if size else None
+        config = Path(model.hf.path or "") / "config.json"
+        size = json.loads(config.read_text()).get("vocab_size") if config.is_file() else None
+        return ("model.hf.path", int(size)) if size else None
+    try:
+        default: Any = (
+            inspect.signature(model_class(model.family, model.target)).parameters["vocab_size"].default
+        )
+    except (ModelError, KeyError, TypeError, ValueError):
+        return None
+    return ("model.args.vocab_size", int(default)) if isinstance(default, int) else None
+
+
+def check_vocab(workload: Workload, source: Source, plan: DataPlan | None) -> list[SpecIssue]:
+    """A model whose embedding cannot hold every id the tokenizer gives (a larger one may pad)."""
+    text = plan.text if plan else None
+    model = _model_vocab(workload) if text else None
+    if text is None or model is None or model[1] >= text.vocab_size:
+        return []
+    path, size = model
+    kind = text.request.tokenizer.get("type", "byte")
+    return [
+        _issue(
+            source,
+            path,
+            f"the model's vocabulary ({size}) is smaller than the tokenizer's ({text.vocab_size}, "
+            f"{kind}): set it to at least {text.vocab_size}",
+        )
+    ]

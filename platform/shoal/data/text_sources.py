@@ -1,0 +1,313 @@
+"""Raw text files: which ones a path names, their format, and their documents in order.
+
+Formats, by extension: `.jsonl` / `.json` (JSON lines, one document per line, the
+text in field `data.text_column`), `.parquet` (one document per row of column
+`data.text_column`), `.txt` (one document per file, UTF-8). A directory means the
+files under it with one of these extensions, in sorted order.
+
+Documents are read in file order, then row order, in batches: in this process for
+small inputs, with Ray Data (`read_json` / `read_parquet` / `read_binary_files`
+and `map_batches` to tokenize) for large ones or when Ray already runs here.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.json as pajson
+import pyarrow.parquet as pq
+
+from shoal.data.errors import DataError
+from shoal.data.tokenizers import TextTokenizer
+
+FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".txt": "txt"}
+BATCH_DOCUMENTS = 1024
+RAY_MIN_BYTES = 32 * 1024**2  # below this, starting Ray costs more than tokenizing in-process
+RAY_QUIET = {"RAY_DATA_DISABLE_PROGRESS_BARS": "1", "RAY_DATA_LOG_LEVEL": "WARNING"}
+
+
+@dataclass(frozen=True)
+class TextFiles:
+    """The files of one split, all of one format."""
+
+    files: tuple[str, ...]
+    format: str  # jsonl | parquet | txt
+    column: str  # the text field (jsonl, parquet)
+    where: str  # the setting that named them, for errors
+
+    def fingerprint(self) -> list[tuple[str, int, int]]:
+        """(path, size, mtime) of each file: what the cache key hashes."""
+        stats = [(f, os.stat(f)) for f in self.files]
+        return [(f, s.st_size, s.st_mtime_ns) for f, s in stats]
+
+    def total_bytes(self) -> int:
+        return sum(os.stat(f).st_size for f in self.files)
+
+    def count_documents(self) -> int:
+        """Documents to read (for progress; jsonl: lines, counted without parsing)."""
+        if self.format == "txt":
+            return len(self.files)
+        if self.format == "parquet":
+            return sum(pq.ParquetFile(f).metadata.num_rows for f in self.files)
+        return sum(_count_lines(f) for f in self.files)
+
+
+def _count_lines(path: str) -> int:
+    lines, last = 0, b"\n"
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            lines += chunk.count(b"\n")
+            last = chunk[-1:]
+    return lines + (last != b"\n")
+
+
+def _files_at(path: str, where: str) -> list[str]:
+    local = path.removeprefix("file://")
+    if any(ch in local for ch in "*?["):
+        files = sorted(glob.glob(local, recursive=True))
+    elif Path(local).is_dir():
+        files = sorted(str(p) for p in Path(local).rglob("*") if p.suffix in FORMATS and p.is_file())
+    elif Path(local).is_file():
+        files = [local]
+    else:
+        raise DataError(where, f"no such file or directory: '{path}'")
+    if not files:
+        raise DataError(where, f"no data files found at '{path}' (looked for {', '.join(FORMATS)})")
+    return [str(Path(f).resolve()) for f in files]
+
+
+def text_format(path: str, where: str) -> str | None:
+    """jsonl | txt | parquet for what `path` names; None for object-store parquet (not read here)."""
+    if "://" in path and not path.startswith("file://"):
+        suffix = Path(path.rstrip("/")).suffix
+        if FORMATS.get(suffix, "parquet") != "parquet":
+            raise DataError(where, f"raw text must be local files; '{path}' is remote (pack it, then upload)")
+        return None
+    formats = {FORMATS.get(Path(f).suffix) for f in _files_at(path, where)}
+    if None in formats or len(formats) > 1:
+        names = sorted(f or "other" for f in formats)
+        raise DataError(
+            where, f"'{path}' mixes formats ({', '.join(names)}); one of {', '.join(FORMATS)} only"
+        )
+    return formats.pop()
+
+
+def text_files(path: str, where: str, column: str) -> TextFiles:
+    files = tuple(_files_at(path, where))
+    source = TextFiles(files, FORMATS[Path(files[0]).suffix], column, where)
+    if source.format == "parquet":
+        _check_text_column(source)
+    return source
+
+
+def parquet_has_text(path: str, column: str) -> bool:
+    """A parquet source whose first file has a string column `column` and no `tokens`."""
+    files = _files_at(path, "")
+    schema = pq.read_schema(files[0])
+    return "tokens" not in schema.names and column in schema.names and _is_string(schema.field(column).type)
+
+
+def _is_string(kind: pa.DataType) -> bool:
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind)
+
+
+def _check_text_column(source: TextFiles) -> None:
+    for file in source.files:
+        try:
+            schema = pq.read_schema(file)
+        except Exception as exc:  # pyarrow raises several types for unreadable files
+            raise DataError(source.where, f"cannot read parquet file '{file}': {exc}") from None
+        if source.column not in schema.names:
+            raise DataError(
+                "data.text_column",
+                f"'{file}' has no column '{source.column}' (has {sorted(schema.names)})",
+            )
+        if not _is_string(schema.field(source.column).type):
+            kind = schema.field(source.column).type
+            raise DataError("data.text_column", f"column '{source.column}' of '{file}' is {kind}, not text")
+
+
+def _json_options(column: str) -> pajson.ParseOptions:
+    return pajson.ParseOptions(
+        explicit_schema=pa.schema([(column, pa.string())]), unexpected_field_behavior="ignore"
+    )
+
+
+def texts_of(values: pa.Array | pa.ChunkedArray, source: TextFiles, file: str) -> list[str]:
+    """A column of documents as strings; a missing text is an error naming the file."""
+    if values.null_count:
+        raise DataError(
+            "data.text_column",
+            f"{values.null_count} document(s) of '{file}' have no string field '{source.column}'",
+        )
+    return values.to_pylist()
+
+
+def _decode(data: bytes, file: str, where: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(where, f"'{file}' is not UTF-8 text: {exc}") from None
+
+
+def _local_file_texts(source: TextFiles, file: str) -> Iterator[list[str]]:
+    if source.format == "txt":
+        yield [_decode(Path(file).read_bytes(), file, source.where)]
+    elif source.format == "parquet":
+        for batch in pq.ParquetFile(file).iter_batches(BATCH_DOCUMENTS, columns=[source.column]):
+            yield texts_of(batch.column(0), source, file)
+    else:
+        try:
+            table = pajson.read_json(file, parse_options=_json_options(source.column))
+        except pa.ArrowInvalid as exc:
+            raise DataError(
+                source.where, f"'{file}' is not JSON lines with a text '{source.column}': {exc}"
+            ) from None
+        for batch in table.to_batches(BATCH_DOCUMENTS):
+            yield texts_of(batch.column(0), source, file)
+
+
+def local_texts(source: TextFiles) -> Iterator[list[str]]:
+    """Documents in batches, read in this process."""
+    for file in source.files:
+        yield from _local_file_texts(source, file)
+
+
+def use_ray(sources: list[TextFiles], engine: str) -> bool:
+    if engine != "auto":
+        return engine == "ray"
+    # deferred: Ray (a second to import) only matters when it is already up or the input is large
+    import ray
+
+    return ray.is_initialized() or sum(s.total_bytes() for s in sources) >= RAY_MIN_BYTES
+
+
+class RayWhenNeeded:
+    """The Ray of this process, or a local one started on first need and stopped at exit."""
+
+    def __init__(self, wanted: bool):
+        self.wanted = wanted
+        self.started = False
+
+    def __enter__(self) -> RayWhenNeeded:
+        return self
+
+    def ensure(self) -> None:
+        if not self.wanted:
+            return
+        # deferred: Ray loads only when text is read with Ray Data
+        import ray
+
+        if ray.is_initialized():
+            return
+        for key, value in RAY_QUIET.items():
+            os.environ.setdefault(key, value)
+        ray.init(address="local", include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+        self.started = True
+
+    def __exit__(self, *exc: object) -> None:
+        if self.started:
+            # deferred: Ray loads only when text is read with Ray Data
+            import ray
+
+            ray.shutdown()
+
+
+def _ray_dataset(source: TextFiles) -> Any:
+    """Ray Data rows {text, path} of a split, in file and row order."""
+    # deferred: Ray loads only when text is packed with Ray Data
+    import ray.data
+
+    paths = [f"local://{f}" for f in source.files]  # read where the files are: on this node
+    if source.format == "txt":
+        raw = ray.data.read_binary_files(paths, include_paths=True)
+        return raw.map_batches(_decode_batch, fn_kwargs={"where": source.where}, batch_format="pyarrow")
+    if source.format == "parquet":
+        return ray.data.read_parquet(paths, columns=[source.column], include_paths=True)
+    return ray.data.read_json(
+        paths, parse_options=_json_options(source.column), include_paths=True, file_extensions=None
+    )
+
+
+def _decode_batch(batch: pa.Table, where: str) -> pa.Table:
+    paths = batch.column("path").to_pylist()
+    texts = [
+        _decode(data, path, where)
+        for data, path in zip(batch.column("bytes").to_pylist(), paths, strict=True)
+    ]
+    return pa.table({"text": texts, "path": paths})
+
+
+def _tokenize_batch(batch: pa.Table, tokenizer: TextTokenizer, source: TextFiles) -> pa.Table:
+    column = "text" if source.format == "txt" else source.column
+    texts = texts_of(batch.column(column), source, batch.column("path")[0].as_py() if batch.num_rows else "")
+    ids = tokenizer.encode_batch(texts)
+    lengths = np.fromiter((len(i) for i in ids), dtype=np.int64, count=len(ids))
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    values = np.concatenate(ids) if ids else np.empty(0, dtype=np.int32)
+    return pa.table({"ids": pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values))})
+
+
+@contextmanager
+def _ordered() -> Iterator[None]:
+    # deferred: Ray loads only when text is packed with Ray Data
+    from ray.data import DataContext
+
+    context = DataContext.get_current()
+    before = (context.execution_options.preserve_order, context.print_on_execution_start)
+    context.execution_options.preserve_order = True  # the same windows in the same order, every time
+    context.print_on_execution_start = False
+    try:
+        yield
+    finally:
+        context.execution_options.preserve_order, context.print_on_execution_start = before
+
+
+def ray_texts(source: TextFiles) -> Iterator[list[str]]:
+    """Documents in batches, read by Ray Data (train_bpe learns from these)."""
+    column = "text" if source.format == "txt" else source.column
+    with _ordered():
+        for batch in _ray_dataset(source).iter_batches(batch_format="pyarrow", batch_size=BATCH_DOCUMENTS):
+            yield texts_of(batch.column(column), source, batch.column("path")[0].as_py())
+
+
+def ray_token_batches(source: TextFiles, tokenizer: TextTokenizer) -> Iterator[list[np.ndarray]]:
+    """Token ids per document, tokenized by Ray Data's map_batches, in document order."""
+    dataset = _ray_dataset(source).map_batches(
+        _tokenize_batch,
+        fn_kwargs={"tokenizer": tokenizer, "source": source},
+        batch_format="pyarrow",
+        batch_size=BATCH_DOCUMENTS,
+    )
+    with _ordered():
+        for batch in dataset.iter_batches(batch_format="pyarrow", batch_size=None):
+            ids = batch.column("ids").combine_chunks()
+            offsets = ids.offsets.to_numpy()
+            values = ids.values.to_numpy(zero_copy_only=False)
+            yield [values[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]
+
+
+def token_batches(
+    source: TextFiles, tokenizer: TextTokenizer, with_ray: bool, advance: Callable[[int], None]
+) -> Iterator[list[np.ndarray]]:
+    """Token ids per document, in order; `advance(n)` after each batch of n documents."""
+    if with_ray:
+        batches = ray_token_batches(source, tokenizer)
+    else:
+        batches = (tokenizer.encode_batch(texts) for texts in local_texts(source))
+    for batch in batches:
+        yield batch
+        advance(len(batch))
+
+
+def document_batches(source: TextFiles, with_ray: bool) -> Iterator[list[str]]:
+    return ray_texts(source) if with_ray else local_texts(source)
