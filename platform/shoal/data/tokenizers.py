@@ -169,7 +169,7 @@ class TiktokenTokenizer(TextTokenizer):
         self.pattern = pattern
         self.eos_id = max(ranks.values()) + 1 if eos_id is None else eos_id
         self.encoding = tiktoken.Encoding(
-            path.stem, pat_str=pattern, mergeable_ranks=ranks, special_tokens={BPE_EOS: eos_id}
+            path.stem, pat_str=pattern, mergeable_ranks=ranks, special_tokens={BPE_EOS: self.eos_id}
         )
         self.vocab_size = int(self.encoding.n_vocab)
         self.digest = _sha256("tiktoken", path.read_bytes(), pattern, str(self.eos_id))
