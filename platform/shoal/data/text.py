@@ -35,7 +35,7 @@ from shoal.data.text_sources import (
     RayWhenNeeded,
     TextFiles,
     document_batches,
-    parquet_has_text,
+    parquet_text_column,
     text_files,
     text_format,
     token_batches,
@@ -98,8 +98,8 @@ def _is_text(path: str, where: str, data: dict[str, Any], task: str, tokenizer: 
         return True
     if kind is None:
         return False
-    column = data.get("text_column", "text")
-    return tokenizer is not None or (task == "lm" and parquet_has_text(path, column))
+    has_text = parquet_text_column(path, data.get("text_column", "text"))
+    return has_text is not None and (tokenizer is not None or (task == "lm" and has_text))
 
 
 def text_request(

@@ -81,7 +81,7 @@ def _files_at(path: str, where: str) -> list[str]:
     else:
         raise DataError(where, f"no such file or directory: '{path}'")
     if not files:
-        raise DataError(where, f"no data files found at '{path}' (looked for {', '.join(FORMATS)})")
+        raise DataError(where, f"no parquet files found at '{path}' (nor text: .jsonl, .json, .txt)")
     return [str(Path(f).resolve()) for f in files]
 
 
@@ -109,11 +109,13 @@ def text_files(path: str, where: str, column: str) -> TextFiles:
     return source
 
 
-def parquet_has_text(path: str, column: str) -> bool:
-    """A parquet source whose first file has a string column `column` and no `tokens`."""
-    files = _files_at(path, "")
-    schema = pq.read_schema(files[0])
-    return "tokens" not in schema.names and column in schema.names and _is_string(schema.field(column).type)
+def parquet_text_column(path: str, column: str) -> bool | None:
+    """For parquet: None when its first file holds `tokens` (token data); else whether it has a
+    string column `column`."""
+    schema = pq.read_schema(_files_at(path, "")[0])
+    if "tokens" in schema.names:
+        return None
+    return column in schema.names and _is_string(schema.field(column).type)
 
 
 def _is_string(kind: pa.DataType) -> bool:
