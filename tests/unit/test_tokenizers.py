@@ -77,7 +77,8 @@ def test_train_bpe_needs_room_for_bytes_and_eos() -> None:
 def test_hf_tokenizer_from_file_and_folder_saves_what_transformers_reads(bpe, tmp_path: Path) -> None:
     bpe.tokenizer.save(str(tmp_path / "tokenizer.json"))
     from_file = load_hf(str(tmp_path / "tokenizer.json"))
-    assert (from_file.eos_id, from_file.vocab_size, from_file.digest) == (bpe.eos_id, bpe.vocab_size, bpe.digest)
+    assert (from_file.eos_id, from_file.vocab_size) == (bpe.eos_id, bpe.vocab_size)
+    assert from_file.digest == bpe.digest
     round_trips(from_file)
     saved = from_file.save(tmp_path / "saved")
     assert json.loads((saved / SAVED_INFO).read_text())["digest"] == bpe.digest

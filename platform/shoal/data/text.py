@@ -299,7 +299,7 @@ def _from_ray(exc: Exception) -> DataError | None:
     while seen is not None:
         if isinstance(seen, DataError):
             return DataError(seen.path, seen.message)
-        seen = seen.__cause__ or seen.__context__  # type: ignore[assignment]
+        seen = getattr(seen, "cause", None) or seen.__cause__ or seen.__context__
     return None
 
 

@@ -227,16 +227,21 @@ class RayWhenNeeded:
 def _ray_dataset(source: TextFiles) -> Any:
     """Ray Data rows {text, path} of a split, in file and row order."""
     # deferred: Ray loads only when text is packed with Ray Data
+    import ray
     import ray.data
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    paths = [f"local://{f}" for f in source.files]  # read where the files are: on this node
+    # The files are on this machine: read them here, whichever cluster this process is part of.
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    options = {"include_paths": True, "ray_remote_args": {"scheduling_strategy": here}}
+    paths = list(source.files)
     if source.format == "txt":
-        raw = ray.data.read_binary_files(paths, include_paths=True)
+        raw = ray.data.read_binary_files(paths, **options)
         return raw.map_batches(_decode_batch, fn_kwargs={"where": source.where}, batch_format="pyarrow")
     if source.format == "parquet":
-        return ray.data.read_parquet(paths, columns=[source.column], include_paths=True)
+        return ray.data.read_parquet(paths, columns=[source.column], **options)
     return ray.data.read_json(
-        paths, parse_options=_json_options(source.column), include_paths=True, file_extensions=None
+        paths, parse_options=_json_options(source.column), file_extensions=None, **options
     )
 
 
