@@ -18,23 +18,6 @@ from shoal.data.text import plan_text
 from tests.integration.conftest import run_workload
 
 WORDS = ["the", "a", "cat", "dog", "sat", "ran", "on", "under", "mat", "log", "big", "small"]
-    "the",
-    "a",
-    "cat",
-    "dog",
-    "sat",
-    "ran",
-    "on",
-    "under",
-    "mat",
-    "log",
-    "big",
-    "small",
-    "red",
-    "blue",
-    "and",
-    "then",
-]
 
 
 def corpus(documents: int, seed: int = 0) -> list[str]:
