@@ -59,6 +59,9 @@ def test_ray_data_packs_what_the_driver_packs(
     with pytest.raises(DataError, match="not UTF-8") as caught:
         packed(workdir / "bad", "ray")
     assert caught.value.path == "data.train.path"
+    (workdir / "numbers.jsonl").write_text('{"text": 3}\n')
+    with pytest.raises(DataError, match="holds int64, not text"):
+        packed(workdir / "numbers.jsonl", "ray")
 
 
 def test_gpt_trains_on_jsonl_with_its_own_bpe_and_resumes_with_it(

@@ -293,16 +293,6 @@ def _splits(request: TextRequest) -> dict[str, TextFiles]:
     return {"train": request.train, **({"val": request.val} if request.val else {})}
 
 
-def _from_ray(exc: Exception) -> DataError | None:
-    """The DataError a Ray Data task raised, out of Ray's wrappers."""
-    seen: Exception | None = exc
-    while seen is not None:
-        if isinstance(seen, DataError):
-            return DataError(seen.path, seen.message)
-        seen = getattr(seen, "cause", None) or seen.__cause__ or seen.__context__
-    return None
-
-
 def pack(
     request: TextRequest,
     progress: PackProgress,
@@ -311,24 +301,17 @@ def pack(
 ) -> TextPlan:
     """Pack `request` into the cache (or find it there); `tokenizer_dir`: a saved tokenizer to use."""
     with RayWhenNeeded(use_ray(list(_splits(request).values()), engine)) as ray:
-        try:
-            if tokenizer_dir is not None:
-                tokenizer = load_saved(tokenizer_dir)
-            else:
-                tokenizer = from_spec(request.tokenizer) or _trained_bpe(request, ray, progress)
-            key = _pack_key(request, tokenizer)
-            target = cache_root() / "text" / key[:24]
+        if tokenizer_dir is not None:
+            tokenizer = load_saved(tokenizer_dir)
+        else:
+            tokenizer = from_spec(request.tokenizer) or _trained_bpe(request, ray, progress)
+        key = _pack_key(request, tokenizer)
+        target = cache_root() / "text" / key[:24]
+        manifest = read_manifest(target)
+        reused = bool(manifest and manifest.get("key") == key)
+        if not reused:
+            _write_pack(request, tokenizer, target, key, ray, progress)
             manifest = read_manifest(target)
-            reused = bool(manifest and manifest.get("key") == key)
-            if not reused:
-                _write_pack(request, tokenizer, target, key, ray, progress)
-                manifest = read_manifest(target)
-        except DataError:
-            raise
-        except Exception as exc:  # a DataError raised inside a Ray task arrives wrapped
-            if (error := _from_ray(exc)) is not None:
-                raise error from None
-            raise
     assert manifest is not None
     return TextPlan(
         request,

@@ -32,6 +32,7 @@ from shoal.data.tokenizers import TextTokenizer
 FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".txt": "txt"}
 BATCH_DOCUMENTS = 1024
 RAY_MIN_BYTES = 32 * 1024**2  # below this, starting Ray costs more than tokenizing in-process
+NODE_ID_LABEL = "ray.io/node-id"  # every Ray node carries its id under this label
 RAY_QUIET = {"RAY_DATA_DISABLE_PROGRESS_BARS": "1", "RAY_DATA_LOG_LEVEL": "WARNING"}
 
 
@@ -146,6 +147,10 @@ def _json_options(column: str) -> pajson.ParseOptions:
 
 def texts_of(values: pa.Array | pa.ChunkedArray, source: TextFiles, file: str) -> list[str]:
     """A column of documents as strings; a missing text is an error naming the file."""
+    if not _is_string(values.type) and not pa.types.is_null(values.type):
+        raise DataError(
+            "data.text_column", f"field '{source.column}' of '{file}' holds {values.type}, not text"
+        )
     if values.null_count:
         raise DataError(
             "data.text_column",
@@ -229,11 +234,10 @@ def _ray_dataset(source: TextFiles) -> Any:
     # deferred: Ray loads only when text is packed with Ray Data
     import ray
     import ray.data
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     # The files are on this machine: read them here, whichever cluster this process is part of.
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    options = {"include_paths": True, "ray_remote_args": {"scheduling_strategy": here}}
+    here = {NODE_ID_LABEL: ray.get_runtime_context().get_node_id()}
+    options = {"include_paths": True, "label_selector": here}
     paths = list(source.files)
     if source.format == "txt":
         raw = ray.data.read_binary_files(paths, **options)
@@ -245,23 +249,67 @@ def _ray_dataset(source: TextFiles) -> Any:
     )
 
 
+PROBLEM = "problem"  # a DataError of a Ray task, as data: Ray does not carry the exception's type
+
+
+def _problem(error: DataError) -> str:
+    return f"{error.path}\t{error.message}"
+
+
+def _raise_problem(batch: pa.Table) -> None:
+    if PROBLEM in batch.column_names and batch.column(PROBLEM).null_count < batch.num_rows:
+        found = next(p for p in batch.column(PROBLEM).to_pylist() if p)
+        path, message = found.split("\t", 1)
+        raise DataError(path, message)
+
+
 def _decode_batch(batch: pa.Table, where: str) -> pa.Table:
-    paths = batch.column("path").to_pylist()
-    texts = [
-        _decode(data, path, where)
-        for data, path in zip(batch.column("bytes").to_pylist(), paths, strict=True)
-    ]
-    return pa.table({"text": texts, "path": paths})
+    texts, problems = [], []
+    for data, path in zip(batch.column("bytes").to_pylist(), batch.column("path").to_pylist(), strict=True):
+        try:
+            texts.append(_decode(data, path, where))
+            problems.append(None)
+        except DataError as error:
+            texts.append("")
+            problems.append(_problem(error))
+    return pa.table({"text": texts, "path": batch.column("path"), PROBLEM: pa.array(problems, pa.string())})
 
 
 def _tokenize_batch(batch: pa.Table, tokenizer: TextTokenizer, source: TextFiles) -> pa.Table:
     column = "text" if source.format == "txt" else source.column
-    texts = texts_of(batch.column(column), source, batch.column("path")[0].as_py() if batch.num_rows else "")
-    ids = tokenizer.encode_batch(texts)
+    try:
+        _raise_problem(batch)
+        file = batch.column("path")[0].as_py() if batch.num_rows else ""
+        ids = tokenizer.encode_batch(texts_of(batch.column(column), source, file))
+        problems = pa.nulls(len(ids), pa.string())
+    except DataError as error:
+        ids = [np.empty(0, dtype=np.int32)] * batch.num_rows
+        problems = pa.array([_problem(error)] * batch.num_rows, pa.string())
     lengths = np.fromiter((len(i) for i in ids), dtype=np.int64, count=len(ids))
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     values = np.concatenate(ids) if ids else np.empty(0, dtype=np.int32)
-    return pa.table({"ids": pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values))})
+    ids_column = pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values))
+    return pa.table({"ids": ids_column, PROBLEM: problems})
+
+
+def _first_error_line(exc: Exception) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    named = [line for line in lines if ("Error: " in line or "Invalid: " in line) and "UserCode" not in line]
+    return (named or lines or [type(exc).__name__])[-1]
+
+
+@contextmanager
+def _ray_errors(source: TextFiles) -> Iterator[None]:
+    """A failed Ray Data read as a DataError naming the files' setting."""
+    # deferred: Ray loads only when text is packed with Ray Data
+    from ray.exceptions import RayError
+
+    try:
+        yield
+    except RayError as exc:
+        raise DataError(
+            source.where, f"cannot read the {source.format} files: {_first_error_line(exc)}"
+        ) from None
 
 
 @contextmanager
@@ -282,8 +330,9 @@ def _ordered() -> Iterator[None]:
 def ray_texts(source: TextFiles) -> Iterator[list[str]]:
     """Documents in batches, read by Ray Data (train_bpe learns from these)."""
     column = "text" if source.format == "txt" else source.column
-    with _ordered():
+    with _ordered(), _ray_errors(source):
         for batch in _ray_dataset(source).iter_batches(batch_format="pyarrow", batch_size=BATCH_DOCUMENTS):
+            _raise_problem(batch)
             yield texts_of(batch.column(column), source, batch.column("path")[0].as_py())
 
 
@@ -295,8 +344,9 @@ def ray_token_batches(source: TextFiles, tokenizer: TextTokenizer) -> Iterator[l
         batch_format="pyarrow",
         batch_size=BATCH_DOCUMENTS,
     )
-    with _ordered():
+    with _ordered(), _ray_errors(source):
         for batch in dataset.iter_batches(batch_format="pyarrow", batch_size=None):
+            _raise_problem(batch)
             ids = batch.column("ids").combine_chunks()
             offsets = ids.offsets.to_numpy()
             values = ids.values.to_numpy(zero_copy_only=False)
