@@ -60,7 +60,7 @@ def test_ray_data_packs_what_the_driver_packs(
         packed(workdir / "bad", "ray")
     assert caught.value.path == "data.train.path"
     (workdir / "numbers.jsonl").write_text('{"text": 3}\n')
-    with pytest.raises(DataError, match="holds int64, not text"):
+    with pytest.raises(DataError, match="not JSON lines with a text"):
         packed(workdir / "numbers.jsonl", "ray")
 
 

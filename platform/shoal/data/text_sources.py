@@ -6,8 +6,10 @@ text in field `data.text_column`), `.parquet` (one document per row of column
 files under it with one of these extensions, in sorted order.
 
 Documents are read in file order, then row order, in batches: in this process for
-small inputs, with Ray Data (`read_json` / `read_parquet` / `read_binary_files`
-and `map_batches` to tokenize) for large ones or when Ray already runs here.
+small inputs, with Ray Data for large ones or when Ray already runs here
+(`read_parquet`, or `read_binary_files` and `map_batches` to split jsonl and txt
+files into documents; `map_batches` to tokenize). Reads run on this machine's
+node (the files are here); errors of Ray tasks travel as data (column PROBLEM).
 """
 
 from __future__ import annotations
@@ -166,21 +168,28 @@ def _decode(data: bytes, file: str, where: str) -> str:
         raise DataError(where, f"'{file}' is not UTF-8 text: {exc}") from None
 
 
-def _local_file_texts(source: TextFiles, file: str) -> Iterator[list[str]]:
+def _texts_in(data: bytes, file: str, source: TextFiles) -> list[str]:
+    """The documents of one jsonl or txt file's bytes."""
     if source.format == "txt":
-        yield [_decode(Path(file).read_bytes(), file, source.where)]
-    elif source.format == "parquet":
+        return [_decode(data, file, source.where)]
+    try:
+        table = pajson.read_json(pa.BufferReader(data), parse_options=_json_options(source.column))
+    except pa.ArrowInvalid as exc:
+        message = str(exc).splitlines()[0]
+        raise DataError(
+            source.where, f"'{file}' is not JSON lines with a text '{source.column}': {message}"
+        ) from None
+    return texts_of(table.column(0), source, file)
+
+
+def _local_file_texts(source: TextFiles, file: str) -> Iterator[list[str]]:
+    if source.format == "parquet":
         for batch in pq.ParquetFile(file).iter_batches(BATCH_DOCUMENTS, columns=[source.column]):
             yield texts_of(batch.column(0), source, file)
-    else:
-        try:
-            table = pajson.read_json(file, parse_options=_json_options(source.column))
-        except pa.ArrowInvalid as exc:
-            raise DataError(
-                source.where, f"'{file}' is not JSON lines with a text '{source.column}': {exc}"
-            ) from None
-        for batch in table.to_batches(BATCH_DOCUMENTS):
-            yield texts_of(batch.column(0), source, file)
+        return
+    texts = _texts_in(Path(file).read_bytes(), file, source)
+    for start in range(0, len(texts), BATCH_DOCUMENTS):
+        yield texts[start : start + BATCH_DOCUMENTS]
 
 
 def local_texts(source: TextFiles) -> Iterator[list[str]]:
@@ -239,14 +248,11 @@ def _ray_dataset(source: TextFiles) -> Any:
     here = {NODE_ID_LABEL: ray.get_runtime_context().get_node_id()}
     options = {"include_paths": True, "label_selector": here}
     paths = list(source.files)
-    if source.format == "txt":
-        raw = ray.data.read_binary_files(paths, **options)
-        return raw.map_batches(_decode_batch, fn_kwargs={"where": source.where}, batch_format="pyarrow")
     if source.format == "parquet":
         return ray.data.read_parquet(paths, columns=[source.column], **options)
-    return ray.data.read_json(
-        paths, parse_options=_json_options(source.column), file_extensions=None, **options
-    )
+    # jsonl too: parsed by the same code as in-process, so that a bad file gives the same error
+    raw = ray.data.read_binary_files(paths, **options)
+    return raw.map_batches(_texts_batch, fn_kwargs={"source": source}, batch_format="pyarrow")
 
 
 PROBLEM = "problem"  # a DataError of a Ray task, as data: Ray does not carry the exception's type
@@ -263,20 +269,28 @@ def _raise_problem(batch: pa.Table) -> None:
         raise DataError(path, message)
 
 
-def _decode_batch(batch: pa.Table, where: str) -> pa.Table:
-    texts, problems = [], []
+def _texts_batch(batch: pa.Table, source: TextFiles) -> pa.Table:
+    """Whole jsonl or txt files -> one row per document, {text, path, problem}."""
+    texts: list[str] = []
+    paths: list[str] = []
+    problems: list[str | None] = []
     for data, path in zip(batch.column("bytes").to_pylist(), batch.column("path").to_pylist(), strict=True):
         try:
-            texts.append(_decode(data, path, where))
-            problems.append(None)
+            found, problem = _texts_in(data, path, source), None
         except DataError as error:
-            texts.append("")
-            problems.append(_problem(error))
-    return pa.table({"text": texts, "path": batch.column("path"), PROBLEM: pa.array(problems, pa.string())})
+            found, problem = [""], _problem(error)
+        texts += found
+        paths += [path] * len(found)
+        problems += [problem] * len(found)
+    return pa.table({"text": texts, "path": paths, PROBLEM: pa.array(problems, pa.string())})
+
+
+def _text_column(source: TextFiles) -> str:
+    return source.column if source.format == "parquet" else "text"
 
 
 def _tokenize_batch(batch: pa.Table, tokenizer: TextTokenizer, source: TextFiles) -> pa.Table:
-    column = "text" if source.format == "txt" else source.column
+    column = _text_column(source)
     try:
         _raise_problem(batch)
         file = batch.column("path")[0].as_py() if batch.num_rows else ""
@@ -295,7 +309,7 @@ def _tokenize_batch(batch: pa.Table, tokenizer: TextTokenizer, source: TextFiles
 def _first_error_line(exc: Exception) -> str:
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     named = [line for line in lines if ("Error: " in line or "Invalid: " in line) and "UserCode" not in line]
-    return (named or lines or [type(exc).__name__])[-1]
+    return (named or lines or [type(exc).__name__])[-1][:300]
 
 
 @contextmanager
@@ -329,7 +343,7 @@ def _ordered() -> Iterator[None]:
 
 def ray_texts(source: TextFiles) -> Iterator[list[str]]:
     """Documents in batches, read by Ray Data (train_bpe learns from these)."""
-    column = "text" if source.format == "txt" else source.column
+    column = _text_column(source)
     with _ordered(), _ray_errors(source):
         for batch in _ray_dataset(source).iter_batches(batch_format="pyarrow", batch_size=BATCH_DOCUMENTS):
             _raise_problem(batch)
