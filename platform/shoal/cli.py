@@ -203,8 +203,9 @@ def _print_packed(text: Any) -> None:
     window = text.request.seq_len + 1
     for split, stats in text.stats.items():
         console.print(
-            f"  {split}: {stats['documents']:,} documents -> {stats['windows']:,} windows of {window} tokens "
-            f"({stats['tokens']:,} tokens; {stats['dropped_tokens']:,} after the last window dropped)"
+            f"  {split}: {stats['documents']:,} documents -> {stats['windows']:,} windows x {window} "
+            f"= {stats['tokens']:,} tokens ({stats['dropped_tokens']:,} left over, dropped)",
+            soft_wrap=True,
         )
     kind = text.request.tokenizer.get("type", "byte")
     console.print(

@@ -10,6 +10,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import yaml
 
 from shoal import cli
 from shoal.data import DataError, load_saved, plan_data
@@ -225,3 +226,18 @@ def test_validate_refuses_a_model_vocabulary_smaller_than_the_tokenizer(
     )
     assert cli.main(["validate", str(gpt_on_text(tmp_path, 256, {"type": "byte"}))]) == 0
     assert not list((tmp_path / "runs").glob("*")) and "SHOAL_DATA_CACHE" in os.environ
+
+
+def test_shoal_data_pack_packs_once_and_says_where(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path = gpt_on_text(tmp_path, 300, {"type": "train_bpe", "vocab_size": 300})
+    assert cli.main(["data", "pack", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "training a BPE tokenizer" in out and "packed " in out
+    assert "train: 40 documents -> " in out and "windows x 17 = " in out and "tokenizer: train_bpe" in out
+    assert cli.main(["data", "pack", str(path), "--set", "data.seq_len=16"]) == 0
+    assert "found in the cache" in capsys.readouterr().out
+    workload = yaml.safe_load(path.read_text())
+    workload["model"]["args"]["seq_len"] = 16
+    tokens = write_workload(tmp_path, {**workload, "data": {"builtin": "pytext"}, "tokenizer": None})
+    assert cli.main(["data", "pack", str(tokens)]) == EXIT_USAGE
+    assert "nothing to pack" in capsys.readouterr().err
