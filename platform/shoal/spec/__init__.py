@@ -49,13 +49,15 @@ def run_checks(
     plan = None
     if task is not None:
         data = workload.data.model_dump(mode="json")
+        tokenizer = workload.tokenizer.model_dump() if workload.tokenizer else None
+        model = workload.model.model_dump()
         try:
-            tokenizer = workload.tokenizer.model_dump() if workload.tokenizer else None
-            model = workload.model.model_dump()
-            plan = plan_data(data, model, task, prepare_data, tokenizer, on_progress)
+            plan = plan_data(data, model, task, False, tokenizer)
+            issues += check_vocab(workload, source, plan)
+            if prepare_data and not issues:  # prepare (pack text: minutes) only a workload that can run
+                plan = plan_data(data, model, task, True, tokenizer, on_progress)
         except DataError as exc:
             issues.append(SpecIssue(source.where(exc.path), exc.path, str(exc)))
-        issues += check_vocab(workload, source, plan)
     return plan, issues
 
 
