@@ -6,10 +6,10 @@ text in field `data.text_column`), `.parquet` (one document per row of column
 files under it with one of these extensions, in sorted order.
 
 Documents are read in file order, then row order, in batches: in this process for
-small inputs, with Ray Data for large ones or when Ray already runs here
-(`read_parquet`, or `read_binary_files` and `map_batches` to split jsonl and txt
-files into documents; `map_batches` to tokenize). Reads run on this machine's
-node (the files are here); errors of Ray tasks travel as data (column PROBLEM).
+small inputs, with Ray Data for large ones (`read_parquet`, or `read_binary_files`
+and `map_batches` to split jsonl and txt files into documents; `map_batches` to
+tokenize). Reads run on this machine's node (the files are here); errors of Ray
+tasks travel as data (column PROBLEM).
 """
 
 from __future__ import annotations
@@ -199,12 +199,10 @@ def local_texts(source: TextFiles) -> Iterator[list[str]]:
 
 
 def use_ray(sources: list[TextFiles], engine: str) -> bool:
+    """Ray Data for `engine` "ray", or "auto" with RAY_MIN_BYTES of input or more."""
     if engine != "auto":
         return engine == "ray"
-    # deferred: Ray (a second to import) only matters when it is already up or the input is large
-    import ray
-
-    return ray.is_initialized() or sum(s.total_bytes() for s in sources) >= RAY_MIN_BYTES
+    return sum(s.total_bytes() for s in sources) >= RAY_MIN_BYTES
 
 
 class RayWhenNeeded:
