@@ -2,7 +2,8 @@
 
 A source is a directory of parquet shards, a glob of parquet files, or an
 object-store URI (`s3://...`, passed to Ray Data as is). Built-in corpora are
-prepared into the cache on first use.
+prepared into the cache on first use; raw text (jsonl, txt, parquet with a text
+column) is packed into token windows in the cache by data/text.py.
 """
 
 from __future__ import annotations
