@@ -18,7 +18,7 @@ import copy
 import json
 import sys
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,9 +51,11 @@ def load_workload(
     workload: str | Path | Mapping[str, Any] | LoadedWorkload,
     overrides: Sequence[str] = (),
     prepare_data: bool = False,
+    on_progress: Callable[[str], None] | None = None,
 ) -> LoadedWorkload:
     """A workload YAML file (or the same as a dict), with `--set`-style overrides, validated and
-    checked as `shoal validate` does. With `prepare_data`, a built-in corpus is prepared now."""
+    checked as `shoal validate` does. With `prepare_data`, a built-in corpus is prepared now
+    and raw text tokenized and packed (`on_progress` hears what happens)."""
     # deferred: the spec layer imports torch (model checks); `import shoal` stays light
     from shoal.spec import LoadedWorkload, SpecError, load, run_checks
     from shoal.spec.loader import Source, apply_overrides, validate_data
@@ -63,11 +65,11 @@ def load_workload(
             raise ShoalError("overrides apply to a workload file or dict, not to a loaded workload")
         return workload
     if not isinstance(workload, Mapping):
-        return load(workload, list(overrides), prepare_data=prepare_data)
+        return load(workload, list(overrides), prepare_data=prepare_data, on_progress=on_progress)
     data, source = copy.deepcopy(dict(workload)), Source("<workload dict>")
     apply_overrides(data, list(overrides), source)
     validated = validate_data(data, source)
-    plan, issues = run_checks(validated, source, prepare_data=prepare_data)
+    plan, issues = run_checks(validated, source, prepare_data=prepare_data, on_progress=on_progress)
     if issues:
         raise SpecError(issues)
     return LoadedWorkload(validated, source, plan)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.markup import escape
 
-from shoal import cli_inspect, cli_runs
+from shoal import cli_data, cli_inspect, cli_runs
 from shoal.cli_options import shared_options
 from shoal.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, ShoalError
 from shoal.output import Col, FittedTable, Fold, iso_time, print_json
@@ -88,14 +88,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     validate.add_argument("file")
 
-    data = commands.add_parser("data", help="datasets")
-    data_commands = data.add_subparsers(dest="data_command", required=True)
-    prepare = data_commands.add_parser("prepare", help="prepare a built-in corpus as parquet shards")
-    prepare.add_argument("name", help="digits | pytext")
-    prepare.add_argument("dir", nargs="?", help="target directory (default: shoal's data cache)")
-    prepare.add_argument("--seed", type=int, default=0)
-    prepare.add_argument("--seq-len", type=int, default=256, help="pytext window length in tokens")
-    prepare.add_argument("--force", action="store_true", help="prepare again even if present")
+    cli_data.add_parser(commands, shared)
     export = commands.add_parser(
         "export",
         help="write a consolidated model from a checkpoint of a recorded run",
@@ -113,6 +106,10 @@ def _parser() -> argparse.ArgumentParser:
     cli_inspect.add_parsers(commands, shared)
     cli_runs.add_parser(commands, shared)
     return parser
+
+
+def _say(message: str) -> None:
+    console.print(escape(message), soft_wrap=True)
 
 
 def _user_error(message: str) -> int:
@@ -140,29 +137,6 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_data(args: argparse.Namespace) -> int:
-    # deferred: this layer imports torch, Ray or MLflow (seconds); see the module docstring
-    from shoal.data import BUILTINS, prepare
-
-    if args.name not in BUILTINS:
-        return _user_error(f"unknown corpus '{args.name}' (available: {', '.join(BUILTINS)})")
-    if args.seq_len < 1:
-        return _user_error(f"--seq-len must be >= 1 (got {args.seq_len})")
-    try:
-        path = prepare(
-            args.name,
-            args.dir,
-            seed=args.seed,
-            seq_len=args.seq_len,
-            force=args.force,
-            on_progress=lambda m: console.print(m),
-        )
-    except FileExistsError as exc:
-        return _user_error(str(exc))
-    console.print(f"[green]ready[/] {args.name}: {path}")
-    return 0
-
-
 def cmd_run(args: argparse.Namespace) -> int:
     # deferred: this layer imports torch, Ray or MLflow (seconds); see the module docstring
     from shoal.api import load_workload
@@ -170,7 +144,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from shoal.launch.jobs import leave_job_working_dir
 
     leave_job_working_dir()
-    loaded = load_workload(args.file, args.overrides, prepare_data=True)
+    loaded = load_workload(args.file, args.overrides, prepare_data=True, on_progress=_say)
     options = RunOptions(
         address=args.address, run_name=args.run_name, verbose=args.verbose, mlflow_run_id=args.mlflow_run_id
     )
@@ -196,7 +170,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="shoal-resume-") as tmp:
         spec_file = Path(tmp) / f"{job.run_name}.yaml"
         spec_file.write_text(job.spec_yaml)
-        loaded = load_workload(spec_file, overrides, prepare_data=True)
+        loaded = load_workload(spec_file, overrides, prepare_data=True, on_progress=_say)
     console.print(f"resuming {job.run_name} (MLflow run {job.run_id}) from {job.run_dir}")
     return _train(loaded, RunOptions(address=args.address, run_name=job.run_name, verbose=args.verbose))
 
@@ -206,7 +180,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from shoal.api import load_workload, sweep
     from shoal.launch.sweep_view import SweepTable, summary
 
-    loaded = load_workload(args.file, args.overrides, prepare_data=True)
+    loaded = load_workload(args.file, args.overrides, prepare_data=True, on_progress=_say)
     spec = loaded.workload.sweep
     if spec is None:
         return _user_error(f"{args.file}: no 'sweep' section (see README, 'Sweeps')")
@@ -362,7 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "submit": cmd_submit,
         "jobs": cmd_jobs,
         "validate": cmd_validate,
-        "data": cmd_data,
+        "data": lambda a: cli_data.cmd_data(console, a),
         "export": cmd_export,
         "runs": lambda a: cli_runs.cmd_runs(console, a),
         "plan": lambda a: cli_inspect.cmd_plan(console, a),

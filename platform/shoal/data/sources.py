@@ -2,12 +2,14 @@
 
 A source is a directory of parquet shards, a glob of parquet files, or an
 object-store URI (`s3://...`, passed to Ray Data as is). Built-in corpora are
-prepared into the cache on first use.
+prepared into the cache on first use; raw text (jsonl, txt, parquet with a text
+column) is packed into token windows in the cache by data/text.py.
 """
 
 from __future__ import annotations
 
 import glob
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,19 +19,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from shoal.data.builtin import prepare
-from shoal.errors import ShoalError
+from shoal.data.errors import DataError
+from shoal.data.text import PackProgress, TextPlan, plan_text
 
 TASK_COLUMNS = {"classify": ("x", "y"), "lm": ("tokens",)}  # without data.columns
 DIGITS_FEATURES = 64
 CACHE_LIMIT_BYTES = 512 * 1024**2
-
-
-class DataError(ShoalError, ValueError):
-    """Data that cannot be found or does not fit the model's task."""
-
-    def __init__(self, path: str, message: str):
-        self.path = path
-        super().__init__(message, where=path)
 
 
 @dataclass
@@ -38,6 +33,7 @@ class DataPlan:
     val: list[str] | None
     task: str
     cache: bool
+    text: TextPlan | None = None  # raw text: packed into the cache (data/text.py)
 
 
 def _is_remote(path: str) -> bool:
@@ -123,10 +119,21 @@ def _total_bytes(files: list[str]) -> int:
     return sum(Path(f).stat().st_size for f in files if not _is_remote(f))
 
 
-def plan_data(data: dict[str, Any], model: dict[str, Any], task: str, prepare_builtin: bool) -> DataPlan:
-    """Resolve the data section into file lists (preparing a built-in corpus if asked)."""
+def plan_data(
+    data: dict[str, Any],
+    model: dict[str, Any],
+    task: str,
+    prepare_builtin: bool,
+    tokenizer: dict[str, Any] | None = None,
+    on_progress: Callable[[str], None] | None = None,
+) -> DataPlan:
+    """Resolve the data section into file lists (preparing a built-in corpus, packing raw text, if asked)."""
     builtin = data.get("builtin")
-    if builtin is not None:
+    progress = PackProgress(say=on_progress) if on_progress else None
+    text = plan_text(data, model, task, tokenizer, prepare_builtin, progress)
+    if text is not None:
+        train, val = text.train, text.val
+    elif builtin is not None:
         expected = "classify" if builtin == "digits" else "lm"
         if task not in (expected, "custom"):
             raise DataError(
@@ -157,7 +164,7 @@ def plan_data(data: dict[str, Any], model: dict[str, Any], task: str, prepare_bu
     if cache == "auto":
         remote = any(_is_remote(f) for f in train + (val or []))
         cache = not remote and _total_bytes(train + (val or [])) < CACHE_LIMIT_BYTES
-    return DataPlan(train, val, task, cache=bool(cache))
+    return DataPlan(train, val, task, cache=bool(cache), text=text)
 
 
 def build_datasets(plan: DataPlan) -> dict[str, Any]:

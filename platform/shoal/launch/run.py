@@ -8,13 +8,14 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
 import yaml
 
+from shoal.data import keep_run_tokenizer
 from shoal.errors import ShoalError
 from shoal.launch.cluster import QUIET_ENV, ClusterError, quiet_ray_logging, ray_session
 from shoal.launch.retention import BestKeeper
@@ -253,6 +254,7 @@ def run(
     run_dir = storage.local_run_dir(run_name)
     probe(storage)
     quiet_ray_logging(run_dir / "logs" / "driver.log", options.verbose)
+    loaded = replace(loaded, data=keep_run_tokenizer(loaded.data, run_dir, log.info))  # raw text
     experiment = w.tracking.experiment or w.name
     uri = resolve_uri(w.tracking.uri)
     cpus = w.scaling.worker_range()[1] * w.scaling.cpus_per_worker
@@ -275,6 +277,8 @@ def run(
             tags=tags,
             run_id=options.mlflow_run_id,
         )
+        if loaded.data and loaded.data.text and (run_dir / "tokenizer").is_dir():
+            tracked.log_artifact(str(run_dir / "tokenizer"), "tokenizer")
         recorder = Recorder(tracked, observer, run_dir, tensorboard=w.monitor.tensorboard)
         result = RunResult("FAILED", run_name, str(run_dir), tracked.run_id, experiment, uri)
         queue = Queue(actor_options={"num_cpus": 0})
