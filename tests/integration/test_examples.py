@@ -6,11 +6,14 @@ run it from the folder, against the session's shared Ray cluster.
 
 from __future__ import annotations
 
+import re
+import runpy
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -55,3 +58,32 @@ def test_own_loss_example(example) -> None:
     assert len(losses) == 60 and sum(losses[-3:]) < sum(losses[:3]) / 4
     assert len(history(client, result.run_id, "train/mae")) == 60
     assert len(history(client, result.run_id, "val/mae")) == 2
+
+
+def test_tiny_llama_example(example) -> None:
+    folder = example("tiny_llama")
+    python("make_corpus.py", "--documents", "600")
+    overrides = ["train.max_steps=12", "checkpoint.every_steps=12"]
+    result = run(load("workload.yaml", overrides, prepare_data=True), RunOptions(run_name="llama"))
+    assert result.ok, result.reason
+    client = MlflowClient(result.tracking_uri)
+    losses = history(client, result.run_id, "train/loss")
+    assert len(losses) == 12 and sum(losses[-3:]) < sum(losses[:3])
+    assert (folder / "shoal_runs" / "llama" / "tokenizer" / "tokenizer.json").is_file()
+    assert "tokenizer/tokenizer.json" in {a.path for a in client.list_artifacts(result.run_id, "tokenizer")}
+    assert result.model_uri == "models:/tiny-llama@champion"
+    mlflow.set_tracking_uri(result.tracking_uri)
+    (generated,) = mlflow.pyfunc.load_model(result.model_uri).predict(["def main():"])
+    assert isinstance(generated, str) and generated
+
+
+def test_sweep_api_example(example, capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
+    folder = example("sweep_api")
+    steps = ["train.max_steps=10", "train.eval_every=5", "checkpoint.every_steps=10"]
+    monkeypatch.setattr(sys, "argv", ["sweep_and_load.py", *(f"--set={s}" for s in steps)])
+    runpy.run_path(str(folder / "sweep_and_load.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    best = re.search(r"best trial \S+: .*, val/accuracy ([0-9.]+)", out)
+    loaded = re.search(r"models:/digits-mlp@best: accuracy ([0-9.]+) on (\d+) held-out digits", out)
+    assert best and loaded, out
+    assert abs(float(best.group(1)) - float(loaded.group(1))) < 0.01  # the same model, the same digits
