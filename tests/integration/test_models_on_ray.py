@@ -6,9 +6,6 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 from mlflow.tracking import MlflowClient
 
 from shoal.data import prepare
@@ -93,47 +90,3 @@ def test_non_finite_loss_fails_the_job_without_restarts(workdir: Path) -> None:
     assert result.reason == "training loss is nan at step 1 (failure.on_nan: fail)"
     assert result.restarts == 0
     assert MlflowClient(result.tracking_uri).get_run(result.run_id).info.status == "FAILED"
-
-
-def test_user_model_with_its_own_loss_on_its_own_columns(workdir: Path) -> None:
-    """task custom: dict batches of the user's column names, the model's own loss, its metric
-    logged as train/mae."""
-    (workdir / "two_col.py").write_text(
-        "import torch\n"
-        "class Regressor(torch.nn.Module):\n"
-        "    def __init__(self):\n"
-        "        super().__init__()\n"
-        "        self.fc = torch.nn.Linear(4, 1)\n"
-        "    def forward(self, features, target):\n"
-        "        error = self.fc(features).squeeze(-1) - target\n"
-        "        return {'loss': (error ** 2).mean(), 'mae': error.abs().mean()}\n"
-    )
-    generator = np.random.default_rng(0)
-    features = generator.standard_normal((256, 4)).astype(np.float32)
-    target = features @ np.array([1.0, -2.0, 0.5, 3.0], dtype=np.float32)
-    (workdir / "reg").mkdir()
-    columns = {
-        "inputs": pa.FixedSizeListArray.from_arrays(pa.array(features.reshape(-1)), 4),
-        "label": pa.array(target),
-    }
-    pq.write_table(pa.table(columns), workdir / "reg" / "part-0.parquet")
-    data = {
-        "name": "own_loss",
-        "model": {"target": "two_col:Regressor", "task": "custom"},
-        "data": {
-            "train": {"path": "reg"},
-            "batch_size": 32,
-            "columns": {"inputs": "features", "label": "target"},
-        },
-        "train": {"max_steps": 20, "optimizer": {"lr": 0.2}, "schedule": {"decay": "constant"}},
-        "scaling": {"workers": 1},
-    }
-    result = run_workload(workdir, data, run_name="own_loss")
-    assert result.ok, result.reason
-    client = MlflowClient(result.tracking_uri)
-    losses = [
-        m.value for m in sorted(client.get_metric_history(result.run_id, "train/loss"), key=lambda m: m.step)
-    ]
-    mae = client.get_metric_history(result.run_id, "train/mae")
-    assert len(losses) == 20 and sum(losses[-3:]) < sum(losses[:3]) / 4
-    assert len(mae) == 20 and all(m.value > 0 for m in mae)
