@@ -1,8 +1,12 @@
-"""Shared test setup: a private data cache, and helpers to write workloads."""
+"""Shared test setup: no connection leaves the machine, a private data cache, and helpers
+to write workloads."""
 
 from __future__ import annotations
 
 import os
+import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -10,6 +14,37 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 WORKLOADS = REPO / "workloads"
+NETGUARD = REPO / "tests" / "netguard"
+
+
+def _guard_the_network() -> Path:
+    """Every process of the session (this one, and through sitecustomize.py every Python
+    process it starts: CLIs, Ray's workers, MLflow servers) refuses TCP off this machine."""
+    log = Path(tempfile.mkdtemp(prefix="shoal-netguard-")) / "refused.log"
+    log.touch()
+    os.environ["SHOAL_NETGUARD_LOG"] = str(log)
+    paths = [str(NETGUARD), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    sys.path.insert(0, str(NETGUARD))
+    import shoal_netguard
+
+    shoal_netguard.install()
+    return log
+
+
+NETGUARD_LOG = _guard_the_network()
+
+
+@pytest.fixture(autouse=True)
+def no_connection_leaves_the_machine() -> Iterator[None]:
+    """Fails the test during which any process tried to reach another machine."""
+    before = NETGUARD_LOG.stat().st_size
+    yield
+    with NETGUARD_LOG.open() as log:
+        log.seek(before)
+        refused = log.read()
+    if refused:
+        pytest.fail(f"a connection off this machine was attempted:\n{refused}")
 
 
 @pytest.fixture(scope="session", autouse=True)

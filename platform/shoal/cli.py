@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.markup import escape
 
-from shoal import cli_inspect, cli_runs
+from shoal import cli_data, cli_inspect, cli_runs
 from shoal.cli_options import shared_options
 from shoal.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, ShoalError
 from shoal.output import Col, FittedTable, Fold, iso_time, print_json
@@ -88,17 +88,28 @@ def _parser() -> argparse.ArgumentParser:
     )
     validate.add_argument("file")
 
-    data = commands.add_parser("data", help="datasets")
-    data_commands = data.add_subparsers(dest="data_command", required=True)
-    prepare = data_commands.add_parser("prepare", help="prepare a built-in corpus as parquet shards")
-    prepare.add_argument("name", help="digits | pytext")
-    prepare.add_argument("dir", nargs="?", help="target directory (default: shoal's data cache)")
-    prepare.add_argument("--seed", type=int, default=0)
-    prepare.add_argument("--seq-len", type=int, default=256, help="pytext window length in tokens")
-    prepare.add_argument("--force", action="store_true", help="prepare again even if present")
+    cli_data.add_parser(commands, shared)
+    export = commands.add_parser(
+        "export",
+        help="write a consolidated model from a checkpoint of a recorded run",
+        parents=[shared.tracking_uri],
+    )
+    export.add_argument("run", help="MLflow run id or run name")
+    export.add_argument("dir", help="target directory")
+    export.add_argument("--step", type=int, help="the checkpoint of this step (default: the newest)")
+    export.add_argument(
+        "--format",
+        choices=["torch", "hf"],
+        default="torch",
+        help="torch: state dict + workload; hf: save_pretrained",
+    )
     cli_inspect.add_parsers(commands, shared)
     cli_runs.add_parser(commands, shared)
     return parser
+
+
+def _say(message: str) -> None:
+    console.print(escape(message), soft_wrap=True)
 
 
 def _user_error(message: str) -> int:
@@ -108,14 +119,14 @@ def _user_error(message: str) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     # deferred: this layer imports torch, Ray or MLflow (seconds); see the module docstring
-    from shoal.spec import load
+    from shoal.api import load_workload
 
-    loaded = load(args.file, args.overrides)
+    loaded = load_workload(args.file, args.overrides)
     w = loaded.workload
     low, high = w.scaling.worker_range()
     workers = str(low) if low == high else f"{low}-{high}"
     console.print(
-        f"[green]ok[/] {args.file}: '{w.name}', {w.model.family or w.model.target}, "
+        f"[green]ok[/] {args.file}: '{w.name}', {w.model.family or w.model.target or w.model.hf.class_}, "
         f"{workers} worker(s), {w.parallel.strategy}, {w.train.precision}"
     )
     if sweep := w.sweep:
@@ -126,37 +137,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_data(args: argparse.Namespace) -> int:
-    # deferred: this layer imports torch, Ray or MLflow (seconds); see the module docstring
-    from shoal.data import BUILTINS, prepare
-
-    if args.name not in BUILTINS:
-        return _user_error(f"unknown corpus '{args.name}' (available: {', '.join(BUILTINS)})")
-    if args.seq_len < 1:
-        return _user_error(f"--seq-len must be >= 1 (got {args.seq_len})")
-    try:
-        path = prepare(
-            args.name,
-            args.dir,
-            seed=args.seed,
-            seq_len=args.seq_len,
-            force=args.force,
-            on_progress=lambda m: console.print(m),
-        )
-    except FileExistsError as exc:
-        return _user_error(str(exc))
-    console.print(f"[green]ready[/] {args.name}: {path}")
-    return 0
-
-
 def cmd_run(args: argparse.Namespace) -> int:
     # deferred: this layer imports torch, Ray or MLflow (seconds); see the module docstring
+    from shoal.api import load_workload
     from shoal.launch import RunOptions
     from shoal.launch.jobs import leave_job_working_dir
-    from shoal.spec import load
 
     leave_job_working_dir()
-    loaded = load(args.file, args.overrides, prepare_data=True)
+    loaded = load_workload(args.file, args.overrides, prepare_data=True, on_progress=_say)
     options = RunOptions(
         address=args.address, run_name=args.run_name, verbose=args.verbose, mlflow_run_id=args.mlflow_run_id
     )
@@ -166,8 +154,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_resume(args: argparse.Namespace) -> int:
     """Re-run what an MLflow run recorded (its resolved workload, its checkpoint location)."""
     # deferred: this layer imports torch, Ray or MLflow (seconds); see the module docstring
+    from shoal.api import load_workload
     from shoal.launch import RunOptions
-    from shoal.spec import load
     from shoal.tracking import resolve_uri
     from shoal.tracking.mlflow_run import recorded_job
 
@@ -182,25 +170,25 @@ def cmd_resume(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="shoal-resume-") as tmp:
         spec_file = Path(tmp) / f"{job.run_name}.yaml"
         spec_file.write_text(job.spec_yaml)
-        loaded = load(spec_file, overrides, prepare_data=True)
+        loaded = load_workload(spec_file, overrides, prepare_data=True, on_progress=_say)
     console.print(f"resuming {job.run_name} (MLflow run {job.run_id}) from {job.run_dir}")
     return _train(loaded, RunOptions(address=args.address, run_name=job.run_name, verbose=args.verbose))
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     # deferred: this layer imports torch, Ray or MLflow (seconds); see the module docstring
-    from shoal.launch.sweep import SweepOptions, sweep
+    from shoal.api import load_workload, sweep
     from shoal.launch.sweep_view import SweepTable, summary
-    from shoal.spec import load
 
-    loaded = load(args.file, args.overrides, prepare_data=True)
+    loaded = load_workload(args.file, args.overrides, prepare_data=True, on_progress=_say)
     spec = loaded.workload.sweep
     if spec is None:
         return _user_error(f"{args.file}: no 'sweep' section (see README, 'Sweeps')")
-    options = SweepOptions(address=args.address, name=args.name, resume=args.resume, verbose=args.verbose)
     with SweepTable(console, list(spec.space), spec.metric, spec.mode):
-        result = sweep(loaded, options)
+        result = sweep(loaded, address=args.address, name=args.name, resume=args.resume, verbose=args.verbose)
     console.print(summary(result))
+    if result.model_uri:
+        console.print(f"best trial's model: {result.model_uri}", soft_wrap=True)
     if result.best_yaml:
         console.print(f"best configuration ({result.best_file}):", soft_wrap=True)
         console.print(result.best_yaml, markup=False, soft_wrap=True)
@@ -310,15 +298,30 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    # deferred: this layer imports torch, Ray or MLflow (seconds); see the module docstring
+    from shoal.api import export
+
+    done = export(args.run, args.dir, args.format, args.step, args.tracking_uri)
+    console.print(
+        f"[green]exported[/] {escape(done.run_name)} step {done.step} ({done.format}) "
+        f"to {escape(done.directory)}: {', '.join(done.files)}",
+        soft_wrap=True,
+    )
+    return 0
+
+
 def _train(loaded: LoadedWorkload, options: RunOptions) -> int:
     # deferred: this layer imports torch, Ray or MLflow (seconds); see the module docstring
-    from shoal.launch import run
+    from shoal.api import run
     from shoal.launch.progress import TerminalProgress, summary_table
 
     with TerminalProgress(console) as progress:
-        result = run(loaded, options, progress)
+        result = run(loaded, options=options, observer=progress)
     console.print(summary_table(result))
     console.print(f"MLflow run id: {result.run_id}")
+    if result.model_uri:
+        console.print(f"model: {result.model_uri}", soft_wrap=True)
     if result.status == "KILLED":
         return EXIT_INTERRUPTED
     return 0 if result.ok else EXIT_FAILED
@@ -333,7 +336,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "submit": cmd_submit,
         "jobs": cmd_jobs,
         "validate": cmd_validate,
-        "data": cmd_data,
+        "data": lambda a: cli_data.cmd_data(console, a),
+        "export": cmd_export,
         "runs": lambda a: cli_runs.cmd_runs(console, a),
         "plan": lambda a: cli_inspect.cmd_plan(console, a),
         "doctor": lambda a: cli_inspect.cmd_doctor(console, a),

@@ -124,6 +124,30 @@ def eval_metrics(values: Mapping[str, Any]) -> dict[str, float]:
     return {key: value for key, value in values.items() if key.startswith(VAL_PREFIX)}
 
 
+TRAIN_PREFIX = "train/"
+MODEL_METRIC_CHARACTERS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-. /")
+
+
+def model_metric(prefix: str, name: str) -> str:
+    """A metric the model returned (a 0-dim entry of its output) as logged: `train/<name>`
+    in training, `val/<name>` in evaluation."""
+    return f"{prefix}{name}"
+
+
+def model_metric_problem(name: str, task: str) -> str | None:
+    """Why a model may not return a metric of this name (it would overwrite one of shoal's
+    own, or MLflow refuses the name), or None."""
+    if not name or not set(name) <= MODEL_METRIC_CHARACTERS:
+        return f"metric name {name!r} must be letters, digits and _ - . / or spaces"
+    own = {m.value for m in Metric}
+    taken = [p + name for p in (TRAIN_PREFIX, VAL_PREFIX) if p + name in own]
+    if taken == [Metric.VAL_ACCURACY.value] and task != "classify":
+        return None  # shoal measures accuracy for classify only: the model's own is welcome
+    if taken:
+        return f"metric name {name!r} is shoal's own ({', '.join(taken)}); rename it"
+    return None
+
+
 def _plain(values: Mapping[str, Any]) -> dict[str, Any]:
     """Keys as plain str: a Metric key would otherwise cross Ray as shoal's enum."""
     return {str(key): value for key, value in values.items()}

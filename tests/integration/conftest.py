@@ -55,6 +55,13 @@ def run_in_thread(
 def run_workload(
     workdir: Path, data: dict, overrides: list[str] | None = None, run_name: str = "job", **options
 ) -> RunResult:
+    """One run; it logs no MLflow model unless its workload asks (`tracking.log_model`): that takes
+    seconds per run, and only tests/integration/test_model_export.py is about it."""
     path = write_workload(workdir, data)
-    loaded = load(path, overrides or [], prepare_data=True)
+    overrides = list(overrides or [])
+    if "log_model" not in data.get("tracking", {}) and not any(
+        o.startswith("tracking.log_model") for o in overrides
+    ):
+        overrides.append("tracking.log_model=false")
+    loaded = load(path, overrides, prepare_data=True)
     return run(loaded, RunOptions(run_name=run_name, **options))

@@ -1,4 +1,5 @@
-"""The other task and model paths on Ray: a byte GPT on pytext, and a user's own model."""
+"""The other task and model paths on Ray: a byte GPT on pytext, a user's own model, and one
+with its own loss on its own columns."""
 
 from __future__ import annotations
 

@@ -40,13 +40,43 @@ def gpt_spec(
     activation_checkpointing: str = "none",
     compile_model: bool = False,
 ) -> Case:
+    model = {
+        "family": "gpt",
+        "args": {"n_layers": 4, "d_model": 32, "n_heads": 4, "seq_len": SEQ, "tie_embeddings": False},
+    }
+    return model_spec(model, parallel, precision, accumulation, activation_checkpointing, compile_model)
+
+
+def llama_spec(parallel: dict[str, Any], activation_checkpointing: str = "none") -> Case:
+    """A tiny Hugging Face Llama from its config, with grouped-query attention (4 query heads,
+    2 key/value heads) and tied embeddings."""
+    config = {
+        "model_type": "llama",
+        "vocab_size": 256,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": SEQ,
+        "tie_word_embeddings": True,
+    }
+    model = {"hf": {"class": "LlamaForCausalLM", "config": config}}
+    return model_spec(model, parallel, activation_checkpointing=activation_checkpointing)
+
+
+def model_spec(
+    model: dict[str, Any],
+    parallel: dict[str, Any],
+    precision: str = "fp32",
+    accumulation: int = 1,
+    activation_checkpointing: str = "none",
+    compile_model: bool = False,
+) -> Case:
     workload = Workload.model_validate(
         {
             "name": "harness",
-            "model": {
-                "family": "gpt",
-                "args": {"n_layers": 4, "d_model": 32, "n_heads": 4, "seq_len": SEQ, "tie_embeddings": False},
-            },
+            "model": model,
             "data": {"builtin": "pytext"},  # not read: the harness makes its own batches
             "train": {
                 "max_steps": STEPS,

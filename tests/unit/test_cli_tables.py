@@ -227,9 +227,12 @@ def test_run_summary_at_80_columns() -> None:
         experiment="quickstart",
         run_id="0123456789abcdef0123456789abcdef",
         tracking_uri="sqlite:////tmp/mlflow.db",
+        model_uri="models:/a-registered-model-with-a-long-name@production",
+        model_error=None,
     )
     text = render(summary_table(result))
     assert NAMES[0] in text and "FINISHED" in text and "0.9731" in text
+    assert result.model_uri in unfolded(text)
     assert result.checkpoint in unfolded(text)  # folded onto more lines, never cut
     assert "0123456789abcdef0123456789abcdef" in text and max(len(line) for line in text.splitlines()) <= 80
 

@@ -38,7 +38,7 @@ def test_noise_below_the_gap_or_broken_streaks_are_not_stragglers() -> None:
 
 def test_step_stats_gather_per_rank_values_on_one_rank() -> None:
     stats = StepStats(world_size=1, interval_s=1e9, rank=0)
-    loss, due, written, gathered = stats.reduce(2.0, 1.0, True, {"busy_s": 0.25, "peak_mb": 512.0})
+    loss, due, written, gathered, _ = stats.reduce(2.0, 1.0, True, {"busy_s": 0.25, "peak_mb": 512.0})
     assert (loss, due, written) == (2.0, False, True)
     assert gathered == {"busy_s": [0.25], "peak_mb": [512.0]}
     metrics = worker_metrics(gathered, gpus=False)

@@ -28,6 +28,7 @@ def test_defaults_fill_every_section() -> None:
     assert set(resolved) == {
         "name",
         "model",
+        "tokenizer",
         "data",
         "train",
         "parallel",
@@ -254,3 +255,11 @@ def test_storage_must_be_a_directory_or_s3() -> None:
     assert "checkpoint.storage: 'gs://bucket/runs' is neither a directory nor s3://bucket/prefix" in error
     (error,) = errors_of(WORKLOADS / "quickstart.yaml", ["checkpoint.endpoint=http://127.0.0.1:9000"])
     assert "checkpoint.endpoint: 'http://127.0.0.1:9000' is for s3:// storage" in error
+
+
+@pytest.mark.parametrize("alias", ["latest", "v3"])
+def test_an_alias_mlflow_reserves_is_refused_before_launch(alias: str) -> None:
+    overrides = ["tracking.register.name=digits", f"tracking.register.alias={alias}"]
+    (error,) = errors_of(WORKLOADS / "quickstart.yaml", overrides)
+    assert error.startswith(f"--set tracking.register.alias={alias}")
+    assert f"MLflow reserves the alias '{alias}'" in error

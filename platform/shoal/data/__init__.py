@@ -1,14 +1,23 @@
-"""Datasets: built-in corpora, parquet sources, Ray datasets for the trainer."""
+"""Datasets: built-in corpora, parquet sources, raw text packed into token windows, Ray datasets."""
 
 from shoal.data.builtin import BUILTINS, cache_dir, prepare
-from shoal.data.sources import DataError, DataPlan, build_datasets, plan_data
+from shoal.data.errors import DataError
+from shoal.data.sources import DataPlan, build_datasets, plan_data
+from shoal.data.text import PackProgress, TextPlan, keep_run_tokenizer, plan_text
+from shoal.data.tokenizers import TextTokenizer, load_saved
 
 __all__ = [
     "BUILTINS",
     "DataError",
     "DataPlan",
+    "PackProgress",
+    "TextPlan",
+    "TextTokenizer",
     "build_datasets",
     "cache_dir",
+    "keep_run_tokenizer",
+    "load_saved",
     "plan_data",
+    "plan_text",
     "prepare",
 ]

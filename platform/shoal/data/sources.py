@@ -2,31 +2,29 @@
 
 A source is a directory of parquet shards, a glob of parquet files, or an
 object-store URI (`s3://...`, passed to Ray Data as is). Built-in corpora are
-prepared into the cache on first use.
+prepared into the cache on first use; raw text (jsonl, txt, parquet with a text
+column) is packed into token windows in the cache by data/text.py.
 """
 
 from __future__ import annotations
 
 import glob
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from shoal.data.builtin import prepare
-from shoal.errors import ShoalError
+from shoal.data.errors import DataError
+from shoal.data.text import PackProgress, TextPlan, plan_text
 
-REQUIRED_COLUMNS = {"classify": ("x", "y"), "lm": ("tokens",)}
+TASK_COLUMNS = {"classify": ("x", "y"), "lm": ("tokens",)}  # without data.columns
+DIGITS_FEATURES = 64
 CACHE_LIMIT_BYTES = 512 * 1024**2
-
-
-class DataError(ShoalError, ValueError):
-    """Data that cannot be found or does not fit the model's task."""
-
-    def __init__(self, path: str, message: str):
-        self.path = path
-        super().__init__(message, where=path)
 
 
 @dataclass
@@ -35,6 +33,7 @@ class DataPlan:
     val: list[str] | None
     task: str
     cache: bool
+    text: TextPlan | None = None  # raw text: packed into the cache (data/text.py)
 
 
 def _is_remote(path: str) -> bool:
@@ -59,53 +58,113 @@ def parquet_files(path: str, where: str) -> list[str]:
     return [str(Path(f).resolve()) for f in files]
 
 
-def _check_columns(files: list[str], task: str, where: str) -> None:
+def window_length(data_seq_len: int | None, model_args: dict[str, Any]) -> int | None:
+    """Tokens per language-model example: `data.seq_len`, else (older workloads)
+    `model.args.seq_len`."""
+    return data_seq_len or model_args.get("seq_len")
+
+
+def required_columns(task: str, columns: dict[str, str]) -> list[str]:
+    """The columns the data must have: those data.columns names, else the task's own
+    (custom without data.columns: whatever the forward takes, checked against its signature)."""
+    return list(columns) if columns else list(TASK_COLUMNS.get(task, ()))
+
+
+def _check_columns(files: list[str], task: str, columns: dict[str, str], where: str) -> None:
     if _is_remote(files[0]):
         return
     try:
-        columns = set(pq.read_schema(files[0]).names)
+        present = set(pq.read_schema(files[0]).names)
     except Exception as exc:  # pyarrow raises several types for unreadable files
         raise DataError(where, f"cannot read parquet file '{files[0]}': {exc}") from None
-    missing = [c for c in REQUIRED_COLUMNS[task] if c not in columns]
+    missing = [c for c in required_columns(task, columns) if c not in present]
     if missing:
-        raise DataError(
-            where,
-            f"'{files[0]}' lacks column(s) {missing} needed for task '{task}' (has {sorted(columns)})",
-        )
+        needed_by = "named in data.columns" if columns else f"needed for task '{task}'"
+        raise DataError(where, f"'{files[0]}' lacks column(s) {missing} {needed_by} (has {sorted(present)})")
+
+
+def column_shapes(path: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Each numeric column's per-row shape and numpy dtype name, from a local parquet file's
+    schema (its first row read for the length of variable-length lists). Other columns
+    (strings, structs), and lists whose length no row shows, are left out."""
+    file = pq.ParquetFile(path)
+    first = next(file.iter_batches(batch_size=1), None)
+    row = first.to_pylist()[0] if first is not None and first.num_rows else {}
+    shapes = {}
+    for field in file.schema_arrow:
+        shape: list[int] = []
+        kind, value = field.type, row.get(field.name)
+        while pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
+            if pa.types.is_fixed_size_list(kind):
+                shape.append(kind.list_size)
+            elif isinstance(value, list):
+                shape.append(len(value))
+            else:
+                break
+            value = value[0] if isinstance(value, list) and value else None
+            kind = kind.value_type
+        if pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind):
+            shapes[field.name] = (tuple(shape), np.dtype(kind.to_pandas_dtype()).name)
+    return shapes
+
+
+def builtin_shapes(name: str, seq_len: int | None) -> dict[str, tuple[tuple[int, ...], str]]:
+    """A built-in corpus's columns (data/builtin.py), without preparing it."""
+    if name == "digits":
+        return {"id": ((), "int64"), "x": ((DIGITS_FEATURES,), "float32"), "y": ((), "int64")}
+    return {"id": ((), "int64"), "tokens": (((seq_len or 0) + 1,), "uint8")}
 
 
 def _total_bytes(files: list[str]) -> int:
     return sum(Path(f).stat().st_size for f in files if not _is_remote(f))
 
 
-def plan_data(data: dict[str, Any], model: dict[str, Any], task: str, prepare_builtin: bool) -> DataPlan:
-    """Resolve the data section into file lists (preparing a built-in corpus if asked)."""
+def plan_data(
+    data: dict[str, Any],
+    model: dict[str, Any],
+    task: str,
+    prepare_builtin: bool,
+    tokenizer: dict[str, Any] | None = None,
+    on_progress: Callable[[str], None] | None = None,
+) -> DataPlan:
+    """Resolve the data section into file lists (preparing a built-in corpus, packing raw text, if asked)."""
     builtin = data.get("builtin")
-    if builtin is not None:
+    progress = PackProgress(say=on_progress) if on_progress else None
+    text = plan_text(data, model, task, tokenizer, prepare_builtin, progress)
+    if text is not None:
+        train, val = text.train, text.val
+    elif builtin is not None:
         expected = "classify" if builtin == "digits" else "lm"
-        if task != expected:
+        if task not in (expected, "custom"):
             raise DataError(
                 "data.builtin",
                 f"'{builtin}' is a corpus for task '{expected}', but the model's task is '{task}'",
             )
-        seq_len = int(model.get("args", {}).get("seq_len", 128))
+        seq_len = window_length(data.get("seq_len"), model.get("args", {}))
+        if builtin == "pytext" and seq_len is None:
+            raise DataError(
+                "data.seq_len",
+                "the 'pytext' corpus is cut into windows of data.seq_len + 1 tokens: set data.seq_len "
+                "(or, as older workloads do, model.args.seq_len)",
+            )
         if not prepare_builtin:
             return DataPlan([], None, task, cache=True)
-        root = prepare(builtin, seq_len=seq_len)
+        root = prepare(builtin, seq_len=seq_len or 128)  # digits: no windows
         train = parquet_files(str(root / "train"), "data.builtin")
         val = parquet_files(str(root / "val"), "data.builtin")
     else:
         train = parquet_files(data["train"]["path"], "data.train.path")
-        _check_columns(train, task, "data.train.path")
+        columns = data.get("columns") or {}
+        _check_columns(train, task, columns, "data.train.path")
         val = None
         if data.get("val"):
             val = parquet_files(data["val"]["path"], "data.val.path")
-            _check_columns(val, task, "data.val.path")
+            _check_columns(val, task, columns, "data.val.path")
     cache = data.get("cache", "auto")
     if cache == "auto":
         remote = any(_is_remote(f) for f in train + (val or []))
         cache = not remote and _total_bytes(train + (val or [])) < CACHE_LIMIT_BYTES
-    return DataPlan(train, val, task, cache=bool(cache))
+    return DataPlan(train, val, task, cache=bool(cache), text=text)
 
 
 def build_datasets(plan: DataPlan) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -131,6 +132,10 @@ def summary_table(result: RunResult) -> Table:
     if result.reason:
         table.add_row("reason", result.reason)
     table.add_row("checkpoint", result.checkpoint or "-")
+    if result.model_uri or result.model_error:
+        table.add_row(
+            "model", result.model_uri or f"[yellow]not logged[/]: {escape(result.model_error or '')}"
+        )
     table.add_row("run directory", result.run_dir)
     table.add_row("MLflow experiment", result.experiment)
     table.add_row("MLflow run id", result.run_id)

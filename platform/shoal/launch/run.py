@@ -8,13 +8,15 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
 import yaml
 
+from shoal.data import keep_run_tokenizer
+from shoal.errors import ShoalError
 from shoal.launch.cluster import QUIET_ENV, ClusterError, quiet_ray_logging, ray_session
 from shoal.launch.retention import BestKeeper
 from shoal.launch.storage import Storage, open_storage, probe
@@ -27,6 +29,7 @@ from shoal.worker.config import WorkerConfig
 
 log = logging.getLogger("shoal")
 REPORT_INTERVAL_S = 3.0
+SWEEP_TAG = "shoal.sweep"  # a sweep's trials carry it (launch/tuning.py)
 # The step metrics a run's result (and its summary table) shows, beside the evaluations.
 RESULT_METRICS = (
     Metric.TRAIN_LOSS,
@@ -66,6 +69,8 @@ class RunResult:
     resumed_from: int | None = None
     reason: str | None = None
     unsent_writes: int = 0  # MLflow writes lost to an unreachable tracking store
+    model_uri: str | None = None  # the final model in MLflow (tracking.log_model)
+    model_error: str | None = None  # why it could not be logged (the training itself succeeded)
 
     @property
     def ok(self) -> bool:
@@ -249,6 +254,7 @@ def run(
     run_dir = storage.local_run_dir(run_name)
     probe(storage)
     quiet_ray_logging(run_dir / "logs" / "driver.log", options.verbose)
+    loaded = replace(loaded, data=keep_run_tokenizer(loaded.data, run_dir, log.info))  # raw text
     experiment = w.tracking.experiment or w.name
     uri = resolve_uri(w.tracking.uri)
     cpus = w.scaling.worker_range()[1] * w.scaling.cpus_per_worker
@@ -271,6 +277,8 @@ def run(
             tags=tags,
             run_id=options.mlflow_run_id,
         )
+        if loaded.data and loaded.data.text and (run_dir / "tokenizer").is_dir():
+            tracked.log_artifact(str(run_dir / "tokenizer"), "tokenizer")
         recorder = Recorder(tracked, observer, run_dir, tensorboard=w.monitor.tensorboard)
         result = RunResult("FAILED", run_name, str(run_dir), tracked.run_id, experiment, uri)
         queue = Queue(actor_options={"num_cpus": 0})
@@ -290,6 +298,9 @@ def run(
             fit_interruptibly(trainer)
             result.status = "FAILED" if recorder.state.fatal else "FINISHED"
             result.reason = recorder.state.fatal
+            if result.ok and w.tracking.log_model:
+                drainer.finish()  # every checkpoint of the run is known before the last is read
+                _log_final_model(result, loaded, storage, run_name, options)
         except TrainingFailedError as exc:
             result.reason = storage_hint(failure_reason(exc), storage)
         except KeyboardInterrupt:
@@ -300,6 +311,31 @@ def run(
             _fill_result(result, recorder)
             result.unsent_writes = recorder.finish(result.status)
     return result
+
+
+def _log_final_model(
+    result: RunResult, loaded: LoadedWorkload, storage: Storage, run_name: str, options: RunOptions
+) -> None:
+    """The newest checkpoint as an MLflow model; a failure to log it is reported, not fatal.
+    A sweep's trials log theirs unregistered: the sweep registers its best trial's."""
+    # deferred: consolidation reads the model with torch; only runs that end log one
+    from shoal.tracking.model_log import TOKENIZER_DIR, log_final_model
+
+    try:
+        register = None if SWEEP_TAG in options.tags else loaded.workload.tracking.register_
+        logged = log_final_model(
+            result.tracking_uri,
+            result.run_id,
+            loaded,
+            storage.filesystem,
+            storage.run_path(run_name),
+            register,
+            tokenizer_dir=Path(result.run_dir) / TOKENIZER_DIR,  # the run keeps its tokenizer there
+        )
+        result.model_uri = logged.uri
+    except Exception as exc:  # the training succeeded and is recorded; only its model is missing
+        result.model_error = str(exc) if isinstance(exc, ShoalError) else f"{type(exc).__name__}: {exc}"
+        log.warning("the final model was not logged: %s", result.model_error, exc_info=True)
 
 
 def _fill_result(result: RunResult, recorder: Recorder) -> None:

@@ -58,6 +58,7 @@ class SweepResult:
     best_file: str | None = None
     best_yaml: str | None = None
     placement_groups_left: int = 0  # created during the sweep and still reserved at its end
+    model_uri: str | None = None  # the best trial's model, registered (tracking.register)
 
     @property
     def ok(self) -> bool:

@@ -17,6 +17,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from shoal.models.blocks import repeated_blocks
+from shoal.models.objective import ForwardSignature, Objective
 from shoal.models.registry import build_model
 
 TRACE_BATCH = 2  # every per-sample figure is linear in the batch; 2 avoids size-1 special cases
@@ -55,13 +57,9 @@ def batch_shapes(batch: dict[str, torch.Tensor]) -> dict[str, tuple[tuple[int, .
     return {name: (tuple(t.shape[1:]), t.dtype) for name, t in batch.items()}
 
 
-def _loss(model: nn.Module, batch: dict[str, torch.Tensor], task: str) -> torch.Tensor:
-    if task == "classify":
-        logits = model(batch["x"].float())
-        return F.cross_entropy(logits.float(), batch["y"].long())
-    tokens = batch["tokens"].long()
-    logits = model(tokens[:, :-1])
-    return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+def _objective(objective: Objective | str, model: nn.Module) -> Objective:
+    """A task name stands for that task's default objective (no data.columns, no model.loss)."""
+    return objective if isinstance(objective, Objective) else Objective(objective, ForwardSignature.of(model))
 
 
 class _FusedAttention(TorchFunctionMode):
@@ -123,13 +121,12 @@ class _SavedTensors:
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
-    blocks = getattr(model, "blocks", None)
-    return list(blocks.values()) if isinstance(blocks, nn.ModuleDict) else []
+    return [slot.module for slot in repeated_blocks(model)]
 
 
 def trace_cost(
     model_cfg: dict[str, Any],
-    task: str,
+    objective: Objective | str,
     shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
     dtype: torch.dtype = torch.float32,
 ) -> ModelCost:
@@ -143,7 +140,7 @@ def trace_cost(
         saved.watch(block)
     counter = FlopCounterMode(display=False)
     with counter, _FusedAttention(), torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
-        _loss(model, batch, task).backward()
+        _objective(objective, model).step(model, batch, torch.device("meta")).loss.backward()
     full, selective = _checkpointed(saved)
     return ModelCost(
         parameters=sum(p.numel() for p in model.parameters()),

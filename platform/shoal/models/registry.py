@@ -6,22 +6,21 @@ import importlib
 import inspect
 import os
 import sys
+from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 from torch import nn
 
-from shoal.errors import ShoalError
+from shoal.models.errors import ModelError
 
 BUILTIN: dict[str, str] = {
     "cnn": "shoal.models.cnn:ConvNet",
     "mlp": "shoal.models.mlp:MLP",
     "gpt": "shoal.models.gpt:GPT",
 }
-TASKS = ("classify", "lm")
-
-
-class ModelError(ShoalError, ValueError):
-    """A model that cannot be found or built from the given arguments."""
+TASKS = ("classify", "lm", "custom")
+HF_PACKAGES = ("transformers", "huggingface_hub", "tokenizers", "safetensors")
 
 
 def import_target(target: str) -> type[nn.Module]:
@@ -46,13 +45,32 @@ def import_target(target: str) -> type[nn.Module]:
     return cls
 
 
-def model_class(family: str | None, target: str | None) -> type[nn.Module]:
+def model_class(family: str | None, target: str | None, hf: Any = None) -> type[nn.Module]:
+    """The class a model spec builds: a built-in family, a user's `module:Class`, or a Hugging
+    Face class (`hf`: the spec's model.hf section)."""
+    if hf is not None:
+        return hf_models().hf_model_class(hf_models().as_spec(hf))
     if family is not None:
         if family not in BUILTIN:
             raise ModelError(f"unknown family '{family}' (built-in: {', '.join(BUILTIN)})")
         return import_target(BUILTIN[family])
-    assert target is not None
+    if target is None:
+        raise ModelError("the model spec names no family, target or hf")
     return import_target(target)
+
+
+def hf_models() -> ModuleType:
+    """models/hf.py, or a ModelError when the optional transformers is not installed."""
+    try:
+        # Lazy: transformers takes seconds to import and comes with the optional shoal[hf] extra.
+        from shoal.models import hf
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] not in HF_PACKAGES:
+            raise
+        raise ModelError(
+            f"model.hf needs {exc.name}, which is not installed: pip install 'shoal[hf]'", where="model.hf"
+        ) from None
+    return hf
 
 
 def model_task(cls: type[nn.Module], declared: str | None) -> str:
@@ -63,6 +81,39 @@ def model_task(cls: type[nn.Module], declared: str | None) -> str:
     return task
 
 
+def import_loss(target: str) -> Callable[..., Any]:
+    """`model.loss`: a `package.module:function(outputs, batch)` returning the loss."""
+    module_name, _, attr = target.partition(":")
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ModelError(f"cannot import module '{module_name}' ({exc})") from None
+    function = getattr(module, attr, None)
+    if not callable(function):
+        raise ModelError(f"module '{module_name}' has no function '{attr}'")
+    try:
+        inspect.signature(function).bind(None, None)
+    except TypeError:
+        raise ModelError(f"'{target}' must take two arguments: (outputs, batch)") from None
+    except ValueError:  # a builtin without a signature: trust it
+        pass
+    return function
+
+
+def model_config(model_cfg: dict[str, Any], seq_len: int | None) -> dict[str, Any]:
+    """The model section with the data's window length: a model whose constructor takes
+    `seq_len`, and whose args do not set it, gets the data's `seq_len`."""
+    args = model_cfg.get("args", {})
+    if seq_len is None or "seq_len" in args or model_cfg.get("hf") is not None:
+        return model_cfg
+    cls = model_class(model_cfg.get("family"), model_cfg.get("target"))
+    if "seq_len" not in inspect.signature(cls).parameters:
+        return model_cfg
+    return {**model_cfg, "args": {**args, "seq_len": seq_len}}
+
+
 def check_args(cls: type[nn.Module], args: dict[str, Any]) -> None:
     try:
         inspect.signature(cls).bind(**args)
@@ -71,6 +122,8 @@ def check_args(cls: type[nn.Module], args: dict[str, Any]) -> None:
 
 
 def build_model(model_cfg: dict[str, Any]) -> nn.Module:
+    if model_cfg.get("hf") is not None:
+        return hf_models().build_hf_model(model_cfg["hf"])
     cls = model_class(model_cfg.get("family"), model_cfg.get("target"))
     try:
         return cls(**model_cfg.get("args", {}))

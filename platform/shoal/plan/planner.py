@@ -12,15 +12,15 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 import yaml
 
-from shoal.data.sources import parquet_files
+from shoal.data.sources import builtin_shapes, column_shapes, parquet_files, window_length
 from shoal.errors import ShoalError
 from shoal.models import ParallelModel, model_class, model_task
 from shoal.models.cost import ModelCost, trace_cost
+from shoal.models.objective import Objective
+from shoal.models.registry import model_config
 from shoal.plan.catalog import CATALOG, INTERCONNECTS, Gpu
 from shoal.plan.memory import Estimate, Layout, Training, estimate
 from shoal.spec.checks import check_batches, check_model, check_parallel
@@ -31,7 +31,6 @@ from shoal.worker.batching import global_batch_size
 
 RESERVED_BYTES = 1.5e9  # CUDA context, NCCL buffers: not available to tensors
 USABLE_SHARE = 0.9  # allocator fragmentation and estimate error
-DIGITS_FEATURES = 64
 
 
 class PlanError(ShoalError, ValueError):
@@ -68,38 +67,42 @@ class Plan:
 
 
 def sample_shapes(workload: Workload) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """One row's shape per column, without reading the dataset when the spec says it."""
+    """One row's shape per column: a built-in corpus's known columns (pytext windows of
+    data.seq_len, else model.args.seq_len, else the constructor's default), or the first
+    local parquet file's schema."""
+    data = workload.data
+    if data.builtin is not None:
+        seq_len = window_length(data.seq_len, workload.model.args) or _default_seq_len(workload)
+        if data.builtin == "pytext" and not isinstance(seq_len, int):
+            raise PlanError("shoal plan needs data.seq_len (or model.args.seq_len) for a language model")
+        shapes = builtin_shapes(data.builtin, seq_len)
+    else:
+        files = parquet_files(data.train.path, "data.train.path")
+        if "://" in files[0]:
+            raise PlanError(
+                "shoal plan reads a row of local parquet to learn the input shapes; "
+                f"'{data.train.path}' is remote"
+            )
+        shapes = column_shapes(files[0])
+    return {name: (shape, getattr(torch, dtype)) for name, (shape, dtype) in shapes.items()}
+
+
+def _default_seq_len(workload: Workload) -> int | None:
+    if workload.model.hf is not None:
+        return None
     cls = model_class(workload.model.family, workload.model.target)
-    task = model_task(cls, workload.model.task)
-    if task == "lm":
-        default = inspect.signature(cls).parameters.get("seq_len")
-        seq_len = workload.model.args.get("seq_len", default.default if default else None)
-        if not isinstance(seq_len, int):
-            raise PlanError("shoal plan needs model.args.seq_len for a language model")
-        return {"tokens": ((seq_len + 1,), torch.int64)}
-    if workload.data.builtin == "digits":
-        return {"x": ((DIGITS_FEATURES,), torch.float32), "y": ((), torch.int64)}
-    return {"x": (_feature_shape(workload.data.train.path), torch.float32), "y": ((), torch.int64)}
-
-
-def _feature_shape(path: str) -> tuple[int, ...]:
-    files = parquet_files(path, "data.train.path")
-    if "://" in files[0]:
-        raise PlanError(
-            f"shoal plan reads a row of local parquet to learn the input shape; '{path}' is remote"
-        )
-    column = pq.ParquetFile(files[0]).schema_arrow.field("x").type
-    if pa.types.is_fixed_size_list(column):
-        return (column.list_size,)
-    first = pq.ParquetFile(files[0]).read_row_group(0, columns=["x"]).column("x")[0].as_py()
-    return (len(first),) if isinstance(first, list) else ()
+    default = inspect.signature(cls).parameters.get("seq_len")
+    return default.default if default is not None and isinstance(default.default, int) else None
 
 
 def model_cost(workload: Workload, precision: str) -> ModelCost:
-    cls = model_class(workload.model.family, workload.model.target)
-    task = model_task(cls, workload.model.task)
+    model = workload.model
+    cls = model_class(model.family, model.target)
+    task = model_task(cls, model.task)
     dtype = torch.float32 if precision == "fp32" else torch.bfloat16
-    return trace_cost(workload.model.model_dump(), task, sample_shapes(workload), dtype)
+    objective = Objective.build(task, cls, workload.data.columns, model.loss)
+    config = model_config(model.model_dump(), window_length(workload.data.seq_len, model.args))
+    return trace_cost(config, objective, sample_shapes(workload), dtype)
 
 
 def training_of(workload: Workload, activation_checkpointing: str | None = None) -> Training:

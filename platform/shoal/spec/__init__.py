@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,7 +14,9 @@ from shoal.spec.checks import (
     check_parallel,
     check_precision,
     check_storage,
+    check_vocab,
 )
+from shoal.spec.contract import check_contract
 from shoal.spec.loader import (
     Source,
     SpecError,
@@ -34,7 +37,10 @@ class LoadedWorkload:
 
 
 def run_checks(
-    workload: Workload, source: Source, prepare_data: bool = False
+    workload: Workload,
+    source: Source,
+    prepare_data: bool = False,
+    on_progress: Callable[[str], None] | None = None,
 ) -> tuple[DataPlan | None, list[SpecIssue]]:
     """Every check of spec/checks.py and spec/sweep.py, and the data plan when the model is known."""
     issues = check_batches(workload, source) + check_storage(workload, source)
@@ -44,24 +50,34 @@ def run_checks(
     plan = None
     if task is not None:
         data = workload.data.model_dump(mode="json")
+        tokenizer = workload.tokenizer.model_dump() if workload.tokenizer else None
+        model = workload.model.model_dump()
         try:
-            plan = plan_data(data, workload.model.model_dump(), task, prepare_builtin=prepare_data)
+            plan = plan_data(data, model, task, False, tokenizer)
+            issues += check_vocab(workload, source, plan)
+            if prepare_data and not issues:  # prepare (pack text: minutes) only a workload that can run
+                plan = plan_data(data, model, task, True, tokenizer, on_progress)
         except DataError as exc:
             issues.append(SpecIssue(source.where(exc.path), exc.path, str(exc)))
+        issues += check_contract(workload, source, task, plan)
     return plan, issues
 
 
 def load(
-    path: str | Path, overrides: list[str] | tuple[str, ...] = (), prepare_data: bool = False
+    path: str | Path,
+    overrides: list[str] | tuple[str, ...] = (),
+    prepare_data: bool = False,
+    on_progress: Callable[[str], None] | None = None,
 ) -> LoadedWorkload:
     """Read, override, validate and check a workload; raises SpecError listing every problem.
 
-    With `prepare_data`, a built-in corpus the workload names is prepared now.
+    With `prepare_data`, a built-in corpus the workload names is prepared now, raw text
+    packed (`on_progress` hears what happens).
     """
     raw, source = read_yaml(path)
     apply_overrides(raw, list(overrides), source)
     workload = validate_data(raw, source)
-    plan, issues = run_checks(workload, source, prepare_data=prepare_data)
+    plan, issues = run_checks(workload, source, prepare_data=prepare_data, on_progress=on_progress)
     if issues:
         raise SpecError(issues)
     return LoadedWorkload(workload, source, plan)

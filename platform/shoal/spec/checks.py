@@ -6,12 +6,17 @@ before anything is launched.
 
 from __future__ import annotations
 
+import inspect
+import json
 import os
 from pathlib import Path
+from typing import Any
 
+from shoal.data.sources import DataPlan
 from shoal.degrees import DegreeError, Degrees
 from shoal.messages import VAL_PREFIX, Metric
 from shoal.models import ModelError, ParallelModel, check_args, model_class, model_task
+from shoal.models.registry import hf_models, import_loss
 from shoal.spec.loader import Source, SpecIssue
 from shoal.spec.schema import Workload
 
@@ -20,6 +25,7 @@ VALUE_METRICS = (
     Metric.VAL_LOSS,
     Metric.VAL_ACCURACY,
 )  # what keep_best and sweeps may compare
+BYTE_VOCAB = 256  # the token ids of the built-in 'pytext' corpus are bytes
 
 
 def _issue(source: Source, path: str, message: str) -> SpecIssue:
@@ -70,6 +76,19 @@ def check_checkpoint(workload: Workload, source: Source) -> list[SpecIssue]:
 def check_model(workload: Workload, source: Source) -> tuple[str | None, list[SpecIssue]]:
     """The model's task, or the issues that stop us knowing it."""
     spec = workload.model
+    check = check_hf_model if spec.hf is not None else _check_module
+    task, issues = check(workload, source)
+    if task is not None and spec.loss is not None:
+        try:
+            import_loss(spec.loss)
+        except ModelError as exc:
+            issues.append(_issue(source, "model.loss", str(exc)))
+    return task, issues
+
+
+def _check_module(workload: Workload, source: Source) -> tuple[str | None, list[SpecIssue]]:
+    """A built-in family or a user's `module:Class`: importable, its task, its args."""
+    spec = workload.model
     where = "model.family" if spec.family is not None else "model.target"
     try:
         cls = model_class(spec.family, spec.target)
@@ -78,10 +97,32 @@ def check_model(workload: Workload, source: Source) -> tuple[str | None, list[Sp
     except ModelError as exc:
         path = "model.args" if "args" in str(exc) else where
         return None, [_issue(source, path, str(exc))]
+    return task, []
+
+
+def check_hf_model(workload: Workload, source: Source) -> tuple[str | None, list[SpecIssue]]:
+    """A Hugging Face model that builds from local files alone (models/hf.py), and its task.
+    A relative model.hf.path becomes absolute here, as data paths do: workers build from it."""
+    spec = workload.model
+    if spec.args:
+        message = "a Hugging Face model takes its settings in model.hf.config"
+        return None, [_issue(source, "model.args", message)]
+    try:
+        facts = hf_models().check_hf(spec.hf, spec.task)
+    except ModelError as exc:
+        return None, [_issue(source, exc.where or "model.hf", exc.message)]
+    if spec.hf.path is not None:
+        spec.hf.path = str(Path(spec.hf.path).expanduser().resolve())
     issues = []
-    if task == "lm" and "seq_len" not in spec.args and workload.data.builtin == "pytext":
-        issues.append(_issue(source, "model.args", "a language model on 'pytext' needs args.seq_len"))
-    return task, issues
+    origin = "model.hf.config" if spec.hf.config is not None else "model.hf.path"
+    if facts.task == "lm" and workload.data.builtin == "pytext" and (facts.vocab_size or 0) < BYTE_VOCAB:
+        message = f"vocab_size {facts.vocab_size} is smaller than the {BYTE_VOCAB} bytes of 'pytext'"
+        issues.append(_issue(source, origin, message))
+    seq_len = workload.data.seq_len
+    if facts.task == "lm" and seq_len and facts.max_positions and seq_len > facts.max_positions:
+        message = f"{seq_len} tokens is more than the model's {facts.max_positions} positions ({origin})"
+        issues.append(_issue(source, "data.seq_len", message))
+    return facts.task, issues
 
 
 def check_parallel(workload: Workload, source: Source, task: str | None) -> list[SpecIssue]:
@@ -104,12 +145,13 @@ def _split_problems(workload: Workload, resolved: list[Degrees]) -> list[tuple[s
     tp, pp = max(d.tp for d in resolved), max(d.pp for d in resolved)
     if tp == 1 and pp == 1:
         return []
-    cls = model_class(model.family, model.target)
+    cls = model_class(model.family, model.target, model.hf)
     if not issubclass(cls, ParallelModel):
-        name = model.family or model.target
+        name = model.family or model.target or cls.__name__
         return [("parallel", f"model '{name}' supports ddp, fsdp and hsdp only (tp={tp}, pp={pp})")]
     stages = max(d.pipeline_stages(workload.parallel.pp_schedule) for d in resolved)
-    return cls.parallel_problems(model.args, tp, stages) + _pipeline_problems(workload, tp, pp, stages)
+    args = model.args if model.hf is None else hf_models().parallel_args(model.hf)
+    return cls.parallel_problems(args, tp, stages) + _pipeline_problems(workload, tp, pp, stages)
 
 
 def _pipeline_problems(workload: Workload, tp: int, pp: int, stages: int) -> list[tuple[str, str]]:
@@ -176,3 +218,42 @@ def check_storage(workload: Workload, source: Source) -> list[SpecIssue]:
     if not os.access(probe, os.W_OK):
         return [_issue(source, "checkpoint.storage", f"'{storage}' is not writable")]
     return []
+
+
+def _model_vocab(workload: Workload) -> tuple[str, int] | None:
+    """(spec path, vocabulary size) of the model, where the spec or the model's defaults say it."""
+    model = workload.model
+    if "vocab_size" in model.args:
+        return "model.args.vocab_size", int(model.args["vocab_size"])
+    if model.hf is not None:
+        if model.hf.config is not None:
+            size = model.hf.config.get("vocab_size")
+            return ("model.hf.config.vocab_size", int(size)) if size else None
+        config = Path(model.hf.path or "") / "config.json"
+        size = json.loads(config.read_text()).get("vocab_size") if config.is_file() else None
+        return ("model.hf.path", int(size)) if size else None
+    try:
+        default: Any = (
+            inspect.signature(model_class(model.family, model.target)).parameters["vocab_size"].default
+        )
+    except (ModelError, KeyError, TypeError, ValueError):
+        return None
+    return ("model.args.vocab_size", int(default)) if isinstance(default, int) else None
+
+
+def check_vocab(workload: Workload, source: Source, plan: DataPlan | None) -> list[SpecIssue]:
+    """A model whose embedding cannot hold every id the tokenizer gives (a larger one may pad)."""
+    text = plan.text if plan else None
+    model = _model_vocab(workload) if text else None
+    if text is None or model is None or model[1] >= text.vocab_size:
+        return []
+    path, size = model
+    kind = text.request.tokenizer.get("type", "byte")
+    return [
+        _issue(
+            source,
+            path,
+            f"the model's vocabulary ({size}) is smaller than the tokenizer's ({text.vocab_size}, "
+            f"{kind}): set it to at least {text.vocab_size}",
+        )
+    ]

@@ -8,9 +8,18 @@ that each error can name its own path.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveFloat,
+    PositiveInt,
+    field_validator,
+    model_validator,
+)
 
 from shoal.messages import Metric
 
@@ -19,18 +28,37 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
 
+class HfModelSpec(Section):
+    """A Hugging Face transformers model, from a config (nothing downloaded) or a local folder."""
+
+    class_: str = Field("AutoModelForCausalLM", alias="class")  # an Auto class or a model class
+    config: dict[str, Any] | None = None  # AutoConfig.for_model(**config): needs model_type
+    path: str | None = None  # a folder written by save_pretrained, read with local_files_only
+
+    @model_validator(mode="after")
+    def _one_source(self) -> HfModelSpec:
+        if (self.config is None) == (self.path is None):
+            raise ValueError("give exactly one of 'config' (build from it) or 'path' (a local folder)")
+        return self
+
+
 class ModelSpec(Section):
     family: str | None = None
     target: str | None = None
+    hf: HfModelSpec | None = None
     args: dict[str, Any] = Field(default_factory=dict)
-    task: Literal["classify", "lm"] | None = None
+    task: Literal["classify", "lm", "custom"] | None = None
+    loss: str | None = None  # module:function(outputs, batch) -> the loss (replaces the task's)
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSpec:
-        if (self.family is None) == (self.target is None):
-            raise ValueError("give exactly one of 'family' (built-in) or 'target' (module:Class)")
-        if self.target is not None and ":" not in self.target:
-            raise ValueError(f"target must look like 'package.module:Class' (got {self.target!r})")
+        given = [name for name in ("family", "target", "hf") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of 'family' (built-in), 'target' (module:Class) or 'hf'")
+        for name in ("target", "loss"):
+            value = getattr(self, name)
+            if value is not None and ":" not in value:
+                raise ValueError(f"{name} must look like 'package.module:name' (got {value!r})")
         return self
 
 
@@ -45,6 +73,10 @@ class DataSpec(Section):
     batch_size: PositiveInt = 32
     cache: Literal["auto"] | bool = "auto"  # keep in Ray's object store (auto: under 512 MB)
     shuffle_buffer: int = Field(1024, ge=0)  # rows; 0 reads in order
+    columns: dict[str, str] = Field(default_factory=dict)  # data column -> forward argument
+    seq_len: PositiveInt | None = None  # language models: tokens per example (windows of seq_len + 1)
+    text_column: str = "text"  # raw text (jsonl, parquet): the field that holds the text
+    rows_per_group: PositiveInt = 1024  # packed text: rows per parquet row group
 
     @model_validator(mode="after")
     def _one_source(self) -> DataSpec:
@@ -150,9 +182,41 @@ class FailureSpec(Section):
     max_nan_steps: int = Field(3, ge=0)  # non-finite steps skipped or rolled back before the run fails
 
 
+class RegisterSpec(Section):
+    name: str = Field(min_length=1)  # the MLflow registered model
+    alias: str | None = None  # set on the new version (models:/NAME@ALIAS)
+
+    @field_validator("alias")
+    @classmethod
+    def _alias_mlflow_allows(cls, alias: str | None) -> str | None:
+        if alias is not None and re.fullmatch(r"(?i)latest|v\d+", alias):
+            raise ValueError(f"MLflow reserves the alias {alias!r} ('latest' and v<number>)")
+        return alias
+
+
 class TrackingSpec(Section):
     experiment: str | None = None
     uri: str | None = None
+    register_: RegisterSpec | None = Field(None, alias="register")  # the final model's registered name
+    log_model: bool = True  # log the final weights as an MLflow model at the end of a run
+
+
+class TokenizerSpec(Section):
+    """How raw text becomes token ids."""
+
+    type: Literal["byte", "hf", "train_bpe", "tiktoken_file"] = "byte"
+    path: str | None = None  # hf: a folder or tokenizer.json; tiktoken_file: a .tiktoken file
+    vocab_size: PositiveInt | None = None  # train_bpe: the vocabulary to learn
+
+    @model_validator(mode="after")
+    def _fits_type(self) -> TokenizerSpec:
+        if self.type in ("hf", "tiktoken_file") and self.path is None:
+            raise ValueError(f"tokenizer type {self.type} needs 'path'")
+        if self.type == "train_bpe" and self.vocab_size is None:
+            raise ValueError("tokenizer type train_bpe needs 'vocab_size'")
+        if self.type == "byte" and (self.path is not None or self.vocab_size is not None):
+            raise ValueError("the byte tokenizer takes neither 'path' nor 'vocab_size'")
+        return self
 
 
 class StragglerSpec(Section):
@@ -221,6 +285,7 @@ class Workload(Section):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=100)
     model: ModelSpec
     data: DataSpec
+    tokenizer: TokenizerSpec | None = None  # raw text only; token data needs none
     train: TrainSpec
     parallel: ParallelSpec = Field(default_factory=ParallelSpec)
     scaling: ScalingSpec = Field(default_factory=ScalingSpec)

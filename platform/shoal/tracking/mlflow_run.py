@@ -89,10 +89,10 @@ def version_tags() -> dict[str, str]:
     import ray
     import torch
 
-    import shoal
+    from shoal.version import __version__
 
     return {
-        "shoal.version": shoal.__version__,
+        "shoal.version": __version__,
         "shoal.torch_version": torch.__version__,
         "shoal.ray_version": ray.__version__,
         "shoal.mlflow_version": mlflow.__version__,

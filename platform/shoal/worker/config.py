@@ -10,7 +10,7 @@ from shoal.spec.schema import Workload
 @dataclass(frozen=True)
 class WorkerConfig:
     workload: Workload
-    task: str  # classify | lm: how batches become a loss
+    task: str  # classify | lm | custom: how batches become a loss (models/objective.py)
     has_val: bool  # a validation set was given (Ray Data splits it across workers)
     run_dir: str  # this run's local directory (logs, pid files, audit, compile cache)
     report_interval_s: float

@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from shoal.data.sources import window_length
 from shoal.degrees import stages_per_rank
 from shoal.models import build_model, count_parameters
+from shoal.models.objective import Objective
+from shoal.models.registry import model_config
 from shoal.spec.schema import OptimizerSpec, Workload
 from shoal.worker.optim import build_optimizer, build_scheduler
 from shoal.worker.parallel.dims import ParallelDims
@@ -24,7 +27,13 @@ from shoal.worker.parallel.parallelize import parallelize
 from shoal.worker.parallel.pipeline import Pipeline, stage_indices, stage_module
 from shoal.worker.precision import Precision
 from shoal.worker.runtime import seed_everything
-from shoal.worker.steps import forward_loss
+from shoal.worker.steps import BatchTotals
+
+
+class StepLoss(NamedTuple):
+    loss: float  # this rank's mean over the step's micro-batches
+    weight: float  # 0 on pipeline stages that have no loss
+    metrics: dict[str, float]  # the model's own metrics, averaged over the micro-batches
 
 
 class Engine:
@@ -44,7 +53,8 @@ class Engine:
         self.mesh = self.dims.build_mesh(device.type) if world > 1 else None
         self.precision = Precision(train.precision, device, self.dims.uses_fsdp)
         seed_everything(train.seed)  # identical initial weights on every rank
-        model = build_model(workload.model.model_dump())
+        model = build_model(self.model_config(workload))
+        self.objective = Objective.build(task, model, workload.data.columns, workload.model.loss)
         self.parameters = count_parameters(model)
         self.precision.prepare(model)
         parts, indices = self._split(model)
@@ -70,6 +80,12 @@ class Engine:
         self.last_grad_norm = 0.0
 
     # -- construction -------------------------------------------------------------
+    @staticmethod
+    def model_config(workload: Workload) -> dict[str, Any]:
+        """The model section, its `seq_len` filled from the data's window length if it takes one."""
+        model = workload.model.model_dump()
+        return model_config(model, window_length(workload.data.seq_len, model["args"]))
+
     def _split(self, model: nn.Module) -> tuple[list[nn.Module], list[int]]:
         if self.dims.pp == 1:
             return [model], [0]
@@ -123,39 +139,42 @@ class Engine:
 
     def train_step(self, group: list[dict[str, torch.Tensor]]) -> tuple[float, float]:
         """Forward/backward over the micro-batches of one optimizer step, then the step."""
-        loss, weight = self.forward_backward(group)
+        loss, weight, _ = self.forward_backward(group)
         self.optimizer_step()
         return loss, weight
 
-    def forward_backward(
-        self, group: list[dict[str, torch.Tensor]], clock: Any = None
-    ) -> tuple[float, float]:
+    def forward_backward(self, group: list[dict[str, torch.Tensor]], clock: Any = None) -> StepLoss:
         """Gradients of one optimizer step's micro-batches, not yet applied; `clock` (a
-        PhaseClock) times the forward passes (pipelines: the whole schedule).
-
-        Returns this rank's mean loss and its weight (0 on pipeline stages that have no loss).
-        """
+        PhaseClock) times the forward passes (pipelines: the whole schedule)."""
         span = clock.span if clock is not None else (lambda name: nullcontext())
         for part in self.parts:
             part.train()
         if self.pipeline is not None:
             losses = []
             for batch in group:
-                tokens = batch["tokens"].to(self.device).long()
+                tokens = self._tokens(batch)
                 with span("forward"):
                     outputs = self.pipeline.step(tokens[:, :-1], tokens[:, 1:])
                 losses += [x.item() * self.accumulation for x in outputs]
-            loss, weight = (sum(losses) / len(losses), 1.0) if losses else (0.0, 0.0)
-        else:
-            total = torch.zeros((), device=self.device)
-            for index, batch in enumerate(group):
-                with self._sync_context(index == len(group) - 1):
-                    with span("forward"), self.precision.autocast():
-                        step_loss, _ = forward_loss(self.parts[0], batch, self.task, self.device)
-                    self.precision.backward(step_loss / len(group))
-                total += step_loss.detach()
-            loss, weight = total.item() / len(group), 1.0  # one device sync per step
-        return loss, weight
+            return StepLoss(sum(losses) / len(losses), 1.0, {}) if losses else StepLoss(0.0, 0.0, {})
+        total = torch.zeros((), device=self.device)
+        metrics: dict[str, torch.Tensor] = {}
+        for index, batch in enumerate(group):
+            with self._sync_context(index == len(group) - 1):
+                with span("forward"), self.precision.autocast():
+                    result = self.objective.step(self.parts[0], batch, self.device)
+                self.precision.backward(result.loss / len(group))
+            total += result.loss.detach()
+            for name, value in result.metrics.items():
+                metrics[name] = metrics.get(name, 0.0) + value.detach().float()
+        names = list(metrics)
+        # One device sync per step: the loss and every metric come back together.
+        values = torch.stack([total, *(metrics[n].to(total.device) for n in names)]).tolist()
+        step_metrics = {n: v / len(group) for n, v in zip(names, values[1:], strict=True)}
+        return StepLoss(values[0] / len(group), 1.0, step_metrics)
+
+    def _tokens(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return batch[self.objective.token_column() or "tokens"].to(self.device).long()
 
     def discard_gradients(self) -> None:
         for optimizer in self.optimizers:
@@ -171,20 +190,22 @@ class Engine:
         self.discard_gradients()
 
     @torch.no_grad()
-    def eval_batch(self, batch: dict[str, torch.Tensor]) -> tuple[float, float, float]:
-        """(loss x samples, correct, samples) for this rank; zeros on loss-less pipeline stages."""
+    def eval_batch(self, batch: dict[str, torch.Tensor]) -> BatchTotals:
+        """This rank's sums over one batch; zeros on loss-less pipeline stages."""
         for part in self.parts:
             part.eval()
         samples = len(next(iter(batch.values())))
         if self.pipeline is not None:
-            tokens = batch["tokens"].to(self.device).long()
+            tokens = self._tokens(batch)
             losses = self.pipeline.evaluate(tokens[:, :-1], tokens[:, 1:])
             if not losses:
-                return 0.0, 0.0, 0.0
-            return sum(x.item() for x in losses) * self.accumulation / len(losses) * samples, 0.0, samples
+                return BatchTotals(0.0, 0.0, 0.0, {})
+            mean = sum(x.item() for x in losses) * self.accumulation / len(losses)
+            return BatchTotals(mean * samples, 0.0, samples, {})
         with self.precision.autocast():
-            loss, correct = forward_loss(self.parts[0], batch, self.task, self.device)
-        return loss.item() * samples, float(correct), samples
+            result = self.objective.step(self.parts[0], batch, self.device)
+        metrics = {name: value.float().item() * samples for name, value in result.metrics.items()}
+        return BatchTotals(result.loss.item() * samples, float(result.correct), samples, metrics)
 
     def apply_optimizer_settings(self, optimizer: OptimizerSpec) -> None:
         """Replace restored hyperparameters with the spec's (a checkpoint from a run with other

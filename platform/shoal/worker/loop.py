@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from shoal.messages import (
+    TRAIN_PREFIX,
     EventKind,
     LoopOutcome,
     Metric,
@@ -26,6 +27,7 @@ from shoal.messages import (
     ReportSummary,
     StepRecord,
     WorkerValue,
+    model_metric,
 )
 from shoal.models.cost import batch_shapes, trace_cost
 from shoal.worker.batching import accumulation_steps, global_batch_size, planned_steps
@@ -43,7 +45,7 @@ from shoal.worker.metrics import (
     worker_metrics,
 )
 from shoal.worker.profiling import ProfileWindow
-from shoal.worker.reporting import Reporter, StepStats
+from shoal.worker.reporting import MetricNamesError, Reporter, StepStats
 from shoal.worker.runtime import HangWatchdog, SampleAudit, pick_device, seed_everything, write_pid_file
 from shoal.worker.steps import evaluate
 from shoal.worker.stream import StreamPlan, micro_batches
@@ -200,7 +202,7 @@ class Trainer:
         if self.flops_per_step is None:
             self.flops_per_step = self._flops_per_step(batches[0])
         timer = time.perf_counter()
-        local_loss, weight = self.engine.forward_backward(batches, clock=self.clock)
+        local = self.engine.forward_backward(batches, clock=self.clock)
         self.clock.add("forward_backward", time.perf_counter() - timer)
         phases = self.clock.take()
         per_rank = {
@@ -208,10 +210,15 @@ class Trainer:
             "peak_mb": peak_memory_mb(self.device),
             **self.gpu.read(),
         }
-        loss, report_due, written, gathered = self.reporter.stats.reduce(
-            local_loss, weight, self.checkpointer.written_here(), per_rank
-        )
-        if written and self.checkpointer.pending is not None:
+        try:
+            reduced = self.reporter.stats.reduce(
+                local.loss, local.weight, self.checkpointer.written_here(), per_rank, local.metrics
+            )
+        except MetricNamesError as exc:  # raised on every rank alike: all stop together
+            self._fail(str(exc))
+            return LoopOutcome.FATAL
+        loss, gathered = reduced.loss, reduced.per_rank
+        if reduced.written and self.checkpointer.pending is not None:
             self.checkpointer.finish_pending()
         last = group[-1]
         self.position.epoch = last.epoch
@@ -229,8 +236,9 @@ class Trainer:
         if self.audit:
             self.audit.record(self.position.step, last.epoch, group)
         elapsed, self.step_started = time.perf_counter() - self.step_started, time.perf_counter()
-        self._record(loss, elapsed, self._predicted(last.batch), phases, gathered)
-        return self._after_step(report_due)
+        self._record(loss, elapsed, self.engine.objective.predicted_tokens(last.batch), phases, gathered)
+        self._record_model_metrics(reduced.metrics)
+        return self._after_step(reduced.report_due)
 
     def _after_step(self, report_due: bool) -> LoopOutcome | None:
         """Profile, evaluate, checkpoint or report as due; DONE after the last step."""
@@ -292,14 +300,11 @@ class Trainer:
                 return
             yield item
 
-    def _predicted(self, batch: dict[str, torch.Tensor]) -> int:
-        """Tokens predicted per sample: a window of T+1 tokens trains T next-token predictions."""
-        return batch["tokens"].shape[1] - 1 if self.task == "lm" else 0
-
     def _flops_per_step(self, batch: dict[str, torch.Tensor]) -> float:
         """Model FLOPs of one optimizer step (every rank's share), traced once on meta."""
         try:
-            cost = trace_cost(self.workload.model.model_dump(), self.task, batch_shapes(batch))
+            model = Engine.model_config(self.workload)
+            cost = trace_cost(model, self.engine.objective, batch_shapes(batch))
         except Exception as exc:  # a user model that cannot be built on meta: no FLOP metrics
             self.reporter.event(EventKind.FLOPS_UNAVAILABLE, reason=f"{type(exc).__name__}: {exc}"[:300])
             return 0.0
@@ -348,6 +353,13 @@ class Trainer:
         record = StepRecord(self.position.step, time.time(), values)
         self.training.recent.steps.append(self.reporter.record_step(record))
         self.data_wait = 0.0
+
+    def _record_model_metrics(self, metrics: dict[str, float]) -> None:
+        """The model's own metrics beside shoal's in this step's record (names that are
+        shoal's own are refused before launch; shoal's value wins if one slips through)."""
+        record = self.reporter.steps[-1]
+        for name, value in metrics.items():
+            record.values.setdefault(model_metric(TRAIN_PREFIX, name), value)
 
     def _fail(self, reason: str) -> None:
         """A failure that a restart cannot fix: tell the driver, then stop cleanly."""

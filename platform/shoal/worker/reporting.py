@@ -10,23 +10,55 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from shoal.errors import ShoalError
 from shoal.messages import Event, EventKind, ProfileTrace, ReportSummary, StepRecord, WorkerReport
 from shoal.worker.context import TrainContext
 
 
+class MetricNamesError(ShoalError):
+    """Ranks whose models returned different metrics: their values cannot be averaged."""
+
+
+def agreed_names(names: list[str] | None, world_size: int, what: str) -> list[str]:
+    """The metric names every rank sends (one gather); the same error on every rank when they
+    differ. Ranks that send None (no batch to measure) do not take part."""
+    if world_size == 1:
+        return names or []
+    gathered: list[list[str] | None] = [None] * world_size
+    dist.all_gather_object(gathered, names)
+    sent = {rank: tuple(n) for rank, n in enumerate(gathered) if n is not None}
+    if len(set(sent.values())) > 1:
+        listing = "; ".join(f"rank {rank}: {list(n)}" for rank, n in sent.items())
+        raise MetricNamesError(
+            f"the model returned different metrics on different ranks in {what} ({listing})"
+        )
+    return list(next(iter(sent.values()), ()))
+
+
+class Reduced(NamedTuple):
+    loss: float  # mean over the ranks that have one
+    report_due: bool
+    written: bool  # every rank has written its pending checkpoint
+    per_rank: dict[str, list[float]]  # each per-rank value as a list over the ranks
+    metrics: dict[str, float]  # the model's own metrics, averaged like the loss
+
+
 class StepStats:
     """All-reduce of [loss x weight, weight, report-due flag, ranks whose checkpoint write is
-    done, one slot per rank for each per-rank value]: one small collective per step, so that
-    every rank takes the same decisions and rank 0 knows every rank's timings."""
+    done, ranks whose metric names changed, the model's metrics x weight, one slot per rank
+    for each per-rank value]: one small collective per step, so that every rank takes the
+    same decisions and rank 0 knows every rank's timings. The model's metric names are
+    agreed once, at the first step."""
 
     def __init__(self, world_size: int, interval_s: float, rank: int):
         self.world_size, self.interval_s, self.rank = world_size, interval_s, rank
         self.last_report = time.monotonic()
+        self.metric_names: list[str] | None = None
 
     def reduce(
         self,
@@ -34,27 +66,44 @@ class StepStats:
         weight: float = 1.0,
         written: bool = True,
         per_rank: dict[str, float] | None = None,
-    ) -> tuple[float, bool, bool, dict[str, list[float]]]:
-        """Mean loss over the ranks that have one (pipeline stages before the last have none),
-        whether a report is due, whether every rank has written its pending checkpoint, and
-        each of `per_rank`'s values as a list over the ranks (every rank passes the same keys)."""
+        metrics: dict[str, float] | None = None,
+    ) -> Reduced:
+        """Every rank passes the same `per_rank` keys; `metrics` are the model's 0-dim outputs,
+        averaged over the step's micro-batches (a MetricNamesError on every rank when their
+        names differ between ranks, or from those of the first step)."""
+        metrics = metrics or {}
+        if self.metric_names is None:
+            self.metric_names = agreed_names(sorted(metrics), self.world_size, "training")
+        names = self.metric_names
+        changed = sorted(metrics) != names
         due = self.rank == 0 and time.monotonic() - self.last_report >= self.interval_s
-        flags = [1.0 if due else 0.0, 1.0 if written else 0.0]
-        names = sorted(per_rank or {})
-        slots = torch.zeros(len(names) * self.world_size, dtype=torch.float64)
-        for index, name in enumerate(names):
-            slots[index * self.world_size + self.rank] = float(per_rank[name])  # type: ignore[index]
-        values = torch.cat([torch.tensor([local_loss * weight, weight, *flags], dtype=torch.float64), slots])
+        header = [local_loss * weight, weight, 1.0 if due else 0.0, 1.0 if written else 0.0, float(changed)]
+        header += [metrics.get(name, 0.0) * weight for name in names]
+        slots = self._per_rank_slots(per_rank or {})
+        values = torch.cat([torch.tensor(header, dtype=torch.float64), slots])
         if self.world_size > 1:
             dist.all_reduce(values)
-        loss = values[0].item() / max(values[1].item(), 1e-12)
-        rows = values[4:].view(len(names), self.world_size).tolist() if names else []
-        return (
-            loss,
+        if values[4].item() > 0:
+            raise MetricNamesError(
+                f"the model's metrics changed during training (the first step had {names})"
+            )
+        total_weight = max(values[1].item(), 1e-12)
+        averaged = values[5 : 5 + len(names)] / total_weight
+        rows = values[5 + len(names) :].view(-1, self.world_size).tolist() if per_rank else []
+        return Reduced(
+            values[0].item() / total_weight,
             values[2].item() > 0,
             values[3].item() >= self.world_size,
-            dict(zip(names, rows, strict=True)),
+            dict(zip(sorted(per_rank or {}), rows, strict=True)),
+            dict(zip(names, averaged.tolist(), strict=True)),
         )
+
+    def _per_rank_slots(self, per_rank: dict[str, float]) -> torch.Tensor:
+        names = sorted(per_rank)
+        slots = torch.zeros(len(names) * self.world_size, dtype=torch.float64)
+        for index, name in enumerate(names):
+            slots[index * self.world_size + self.rank] = float(per_rank[name])
+        return slots
 
     def reported(self) -> None:
         self.last_report = time.monotonic()

@@ -1,35 +1,24 @@
-"""Loss and evaluation for each task: `classify` (x -> y) and `lm` (next byte)."""
+"""Evaluation over a rank's val shard, and what one batch adds to it (the loss of each task
+lives in models/objective.py, shared with the cost trace and the pre-launch checks)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 
-from shoal.messages import Metric
-
-
-def batch_size_of(batch: dict[str, torch.Tensor]) -> int:
-    return len(next(iter(batch.values())))
+from shoal.messages import VAL_PREFIX, Metric, model_metric
+from shoal.worker.reporting import agreed_names
 
 
-def forward_loss(
-    model: nn.Module, batch: dict[str, torch.Tensor], task: str, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean loss over the batch, and the number of correct predictions (classify only) as a
-    tensor, so that training, which ignores it, does not wait on the device for it."""
-    if task == "classify":
-        x = batch["x"].to(device, dtype=torch.float32, non_blocking=True)
-        y = batch["y"].to(device, dtype=torch.long, non_blocking=True)
-        logits = model(x)
-        correct = (logits.argmax(dim=-1) == y).sum()
-        return F.cross_entropy(logits.float(), y), correct
-    tokens = batch["tokens"].to(device, non_blocking=True).long()
-    logits = model(tokens[:, :-1])
-    return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()), torch.zeros(())
+class BatchTotals(NamedTuple):
+    """One evaluated batch: sums over its samples (zeros on loss-less pipeline stages)."""
+
+    loss_sum: float
+    correct: float
+    samples: float
+    metric_sums: dict[str, float]  # the model's metrics x samples
 
 
 def evaluate(
@@ -40,22 +29,33 @@ def evaluate(
     world_size: int,
     max_batches: int | None = None,
 ) -> dict[str, float]:
-    """Loss (and accuracy) over this rank's val shard, summed over every rank.
+    """Loss (accuracy for classify, the model's own metrics as `val/<name>`) over this rank's
+    val shard, averaged over every rank's samples.
 
     Pipelines need every batch the same shape, so they skip a short last batch.
     """
     totals = torch.zeros(3, dtype=torch.float64)  # loss x n, correct, n
+    metric_sums: dict[str, float] = {}
+    measured = False
     drop_last = engine.pipeline is not None
     for index, batch in enumerate(shard.iter_torch_batches(batch_size=batch_size, drop_last=drop_last)):
         if max_batches is not None and index >= max_batches:
             break
-        totals += torch.tensor(engine.eval_batch(engine.combine(batch)), dtype=torch.float64)
+        result = engine.eval_batch(engine.combine(batch))
+        totals += torch.tensor(result[:3], dtype=torch.float64)
+        for name, value in result.metric_sums.items():
+            metric_sums[name] = metric_sums.get(name, 0.0) + value
+        measured = measured or result.samples > 0
+    names = agreed_names(sorted(metric_sums) if measured else None, world_size, "evaluation")
+    values = torch.cat([totals, torch.tensor([metric_sums.get(n, 0.0) for n in names], dtype=torch.float64)])
     if world_size > 1:
-        dist.all_reduce(totals)
-    loss_sum, correct, count = totals.tolist()
+        dist.all_reduce(values)
+    loss_sum, correct, count = values[:3].tolist()
     if count == 0:
         return {}
     results = {Metric.VAL_LOSS.value: loss_sum / count}
     if task == "classify":
         results[Metric.VAL_ACCURACY.value] = correct / count
+    for name, total in zip(names, values[3:].tolist(), strict=True):
+        results[model_metric(VAL_PREFIX, name)] = total / count
     return results

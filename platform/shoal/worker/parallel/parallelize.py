@@ -2,9 +2,9 @@
 tensor parallel -> activation checkpointing -> compile -> FSDP (or DDP).
 
 Tensor parallelism follows the model's own plan (models/protocol.py's
-ParallelModel). Activation checkpointing, compile and FSDP go block by block
-when the model keeps its repeated layers in a `blocks` ModuleDict; FSDP wraps
-each block, then the root.
+ParallelModel). Activation checkpointing, compile and FSDP go block by block over
+the model's repeated blocks (models/blocks.py: the GPT's `blocks`, a Hugging Face
+model's `_no_split_modules` layers); FSDP wraps each block, then the root.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
+from shoal.models.blocks import repeated_blocks
 from shoal.models.protocol import ParallelModel
 
 
@@ -29,19 +30,16 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any) -> None:
     parallelize_module(model, tp_mesh, model.tensor_parallel_plan())
 
 
-def _blocks(model: nn.Module) -> dict[str, nn.Module] | None:
-    blocks = getattr(model, "blocks", None)
-    return blocks if isinstance(blocks, nn.ModuleDict) else None
-
-
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
-    """full: every block recomputes its activations in backward; selective: every other block."""
-    blocks = _blocks(model)
-    if mode == "none" or blocks is None:
+    """full: every block recomputes its activations in backward; selective: every other block.
+
+    The wrapper takes the block's place under the same key; its state dict drops the
+    wrapper's prefix, so checkpoints keep the block's parameter names."""
+    if mode == "none":
         return
-    for index, (name, block) in enumerate(list(blocks.items())):
+    for index, slot in enumerate(repeated_blocks(model)):
         if mode == "full" or index % 2 == 0:
-            blocks[name] = checkpoint_wrapper(block, preserve_rng_state=False)
+            slot.replace(checkpoint_wrapper(slot.module, preserve_rng_state=False))
 
 
 def apply_compile(model: nn.Module, cache_dir: str | None) -> None:
@@ -50,16 +48,14 @@ def apply_compile(model: nn.Module, cache_dir: str | None) -> None:
         Path(cache_dir).mkdir(parents=True, exist_ok=True)
         # Set, not setdefault: inductor writes its default into the environment on first use.
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
-    blocks = _blocks(model)
-    for block in blocks.values() if blocks is not None else [model]:
+    for block in [slot.module for slot in repeated_blocks(model)] or [model]:
         block.compile()
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: Any, param_dtype: torch.dtype | None) -> None:
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    blocks = _blocks(model)
-    for block in blocks.values() if blocks is not None else []:
-        fully_shard(block, mesh=dp_mesh, mp_policy=policy)
+    for slot in repeated_blocks(model):
+        fully_shard(slot.module, mesh=dp_mesh, mp_policy=policy)
     fully_shard(model, mesh=dp_mesh, mp_policy=policy)
 
 
