@@ -56,6 +56,16 @@ def private_data_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return cache
 
 
+@pytest.fixture(autouse=True)
+def no_tracking_uri_leaks() -> Iterator[None]:
+    """`mlflow.set_tracking_uri` (a test's, or an example script's) sets MLflow's global URI and
+    $MLFLOW_TRACKING_URI for the rest of the process: unset both after each test."""
+    yield
+    mlflow = sys.modules.get("mlflow")
+    if mlflow is not None:
+        mlflow.set_tracking_uri(None)
+
+
 def write_workload(directory: Path, data: dict, name: str = "w.yaml") -> Path:
     path = directory / name
     path.write_text(yaml.safe_dump(data, sort_keys=False))

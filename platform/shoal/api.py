@@ -14,7 +14,6 @@ itself loads neither torch nor Ray nor MLflow.
 
 from __future__ import annotations
 
-import copy
 import json
 import sys
 import tempfile
@@ -57,22 +56,13 @@ def load_workload(
     checked as `shoal validate` does. With `prepare_data`, a built-in corpus is prepared now
     and raw text tokenized and packed (`on_progress` hears what happens)."""
     # deferred: the spec layer imports torch (model checks); `import shoal` stays light
-    from shoal.spec import LoadedWorkload, SpecError, load, run_checks
-    from shoal.spec.loader import Source, apply_overrides, validate_data
+    from shoal.spec import LoadedWorkload, load
 
     if isinstance(workload, LoadedWorkload):
         if overrides:
             raise ShoalError("overrides apply to a workload file or dict, not to a loaded workload")
         return workload
-    if not isinstance(workload, Mapping):
-        return load(workload, list(overrides), prepare_data=prepare_data, on_progress=on_progress)
-    data, source = copy.deepcopy(dict(workload)), Source("<workload dict>")
-    apply_overrides(data, list(overrides), source)
-    validated = validate_data(data, source)
-    plan, issues = run_checks(validated, source, prepare_data=prepare_data, on_progress=on_progress)
-    if issues:
-        raise SpecError(issues)
-    return LoadedWorkload(validated, source, plan)
+    return load(workload, list(overrides), prepare_data=prepare_data, on_progress=on_progress)
 
 
 def run(

@@ -20,6 +20,7 @@ from mlflow.tracking import MlflowClient
 from shoal.launch import RunOptions, run
 from shoal.spec import load
 from tests.conftest import REPO
+from tests.integration.helpers import full_state
 
 EXAMPLES = REPO / "examples"
 
@@ -61,20 +62,32 @@ def test_own_loss_example(example) -> None:
 
 
 def test_tiny_llama_example(example) -> None:
+    """Also the acceptance run of a user's HF model: FSDP on 2 workers, no wrapper code, loss
+    falling, HF's parameter names in the checkpoint, and a resume into the same MLflow run."""
     folder = example("tiny_llama")
     python("make_corpus.py", "--documents", "600")
-    overrides = ["train.max_steps=12", "checkpoint.every_steps=12"]
+    overrides = ["train.max_steps=12", "checkpoint.every_steps=12", "train.activation_checkpointing=full"]
     result = run(load("workload.yaml", overrides, prepare_data=True), RunOptions(run_name="llama"))
     assert result.ok, result.reason
     client = MlflowClient(result.tracking_uri)
     losses = history(client, result.run_id, "train/loss")
     assert len(losses) == 12 and sum(losses[-3:]) < sum(losses[:3])
-    assert (folder / "shoal_runs" / "llama" / "tokenizer" / "tokenizer.json").is_file()
+    run_dir = folder / "shoal_runs" / "llama"
+    state = full_state(run_dir / "checkpoint-00000012", folder)["model"]
+    assert "model.layers.0.self_attn.q_proj.weight" in state  # HF's names, through FSDP and AC
+    assert (run_dir / "tokenizer" / "tokenizer.json").is_file()
     assert "tokenizer/tokenizer.json" in {a.path for a in client.list_artifacts(result.run_id, "tokenizer")}
     assert result.model_uri == "models:/tiny-llama@champion"
     mlflow.set_tracking_uri(result.tracking_uri)
     (generated,) = mlflow.pyfunc.load_model(result.model_uri).predict(["def main():"])
     assert isinstance(generated, str) and generated
+
+    more = [*overrides[1:], "train.max_steps=14", "tracking.log_model=false"]
+    resumed = run(load("workload.yaml", more, prepare_data=True), RunOptions(run_name="llama"))
+    assert resumed.ok, resumed.reason
+    assert resumed.run_id == result.run_id and resumed.resumed_from == 12 and resumed.step == 14
+    steps = sorted(m.step for m in client.get_metric_history(result.run_id, "train/loss"))
+    assert steps == list(range(1, 15))  # every step once, none replayed into the run
 
 
 def test_sweep_api_example(example, capsys: pytest.CaptureFixture[str], monkeypatch) -> None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import copy
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from shoal.data import DataError, DataPlan, plan_data
 from shoal.spec.checks import (
@@ -64,17 +66,21 @@ def run_checks(
 
 
 def load(
-    path: str | Path,
+    path: str | Path | Mapping[str, Any],
     overrides: list[str] | tuple[str, ...] = (),
     prepare_data: bool = False,
     on_progress: Callable[[str], None] | None = None,
 ) -> LoadedWorkload:
-    """Read, override, validate and check a workload; raises SpecError listing every problem.
+    """Read (a YAML file, or the same content as a dict), override, validate and check a
+    workload; raises SpecError listing every problem.
 
     With `prepare_data`, a built-in corpus the workload names is prepared now, raw text
     packed (`on_progress` hears what happens).
     """
-    raw, source = read_yaml(path)
+    if isinstance(path, Mapping):
+        raw, source = copy.deepcopy(dict(path)), Source("<workload dict>")
+    else:
+        raw, source = read_yaml(path)
     apply_overrides(raw, list(overrides), source)
     workload = validate_data(raw, source)
     plan, issues = run_checks(workload, source, prepare_data=prepare_data, on_progress=on_progress)
