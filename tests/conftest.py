@@ -23,9 +23,7 @@ def _guard_the_network() -> Path:
     log = Path(tempfile.mkdtemp(prefix="shoal-netguard-")) / "refused.log"
     log.touch()
     os.environ["SHOAL_NETGUARD_LOG"] = str(log)
-    # A Ray cluster started with a dashboard (`ray start --head` in the system tests) reports
-    # usage stats, asking the cloud metadata service (169.254.169.254) which cloud it is on.
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # a dashboard would report them to Ray's server
     paths = [str(NETGUARD), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     sys.path.insert(0, str(NETGUARD))

@@ -47,3 +47,11 @@ def test_loopback_connections_go_through(tmp_path: Path) -> None:
             client.sendall(b"ok")
             assert accepted.recv(2) == b"ok"
             accepted.close()
+
+
+def test_the_cloud_metadata_service_is_refused_without_failing_the_test() -> None:
+    """Ray's dashboard asks it on every start (tests/netguard/shoal_netguard.py REFUSED_QUIETLY)."""
+    size = NETGUARD_LOG.stat().st_size
+    with socket.socket() as sock, pytest.raises(ConnectionRefusedError, match="test network guard"):
+        sock.connect(("169.254.169.254", 80))
+    assert NETGUARD_LOG.stat().st_size == size
