@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -71,7 +72,7 @@ def _sha256(*parts: str | bytes) -> str:
     return hasher.hexdigest()
 
 
-class TextTokenizer:
+class TextTokenizer(ABC):
     """Texts -> token ids; every kind below fills these in."""
 
     kind: str
@@ -79,15 +80,16 @@ class TextTokenizer:
     vocab_size: int
     digest: str
 
+    @abstractmethod
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         """One int array per text, without EOS (packing adds it between documents)."""
-        raise NotImplementedError
 
-    def decode(self, ids: Sequence[int]) -> str:
-        raise NotImplementedError
+    @abstractmethod
+    def decode(self, ids: Sequence[int]) -> str: ...
 
+    @abstractmethod
     def _save_files(self, directory: Path) -> dict[str, Any]:
-        raise NotImplementedError
+        """Write the kind's own files into `directory`; what SAVED_INFO records of them."""
 
     def save(self, directory: str | Path) -> Path:
         """Write this tokenizer's files and SAVED_INFO into `directory`; returns it."""
