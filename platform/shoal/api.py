@@ -35,7 +35,6 @@ if TYPE_CHECKING:
     from shoal.spec import LoadedWorkload
     from shoal.tracking import Observer
 
-WorkloadLike = "str | Path | Mapping[str, Any] | LoadedWorkload"
 EXPORT_FORMATS = ("torch", "hf")
 STATE_FILE = "model.pt"  # torch export: the consolidated state dict
 WORKLOAD_FILE = "workload.yaml"  # the resolved workload that rebuilds the model
