@@ -25,7 +25,9 @@ from tests.integration.helpers import (
     wait_for,
 )
 
-STEPS, GLOBAL_BATCH, DIGITS_TRAIN_ROWS = 500, 128, 1438
+# Long enough that the run is still training after it grew and made two checkpoints at 2
+# workers (about 400 steps go by at 1 worker while the resize is noticed and made).
+STEPS, GLOBAL_BATCH, DIGITS_TRAIN_ROWS = 1500, 128, 1438
 
 
 def committed(run_dir: Path) -> list[str]:

@@ -7,6 +7,7 @@ placement-group cleaner needs), as `shoal sweep` does without --address.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -55,12 +56,27 @@ def trial_results(sweep_dir: Path) -> int:
     return sum(1 for p in sweep_dir.glob("*/result.json") if p.stat().st_size > 0)
 
 
+def state_is_whole(sweep_dir: Path) -> bool:
+    """Ray Tune's newest experiment state in the sweep's folder reads back. Tune copies it there
+    in place, so a kill during the copy leaves it cut short: that sweep cannot be resumed, and
+    `shoal sweep --resume` says so (tests/unit/test_sweep.py). This test kills between copies."""
+    states = sorted(sweep_dir.glob("experiment_state-*.json"))
+    try:
+        return bool(states) and bool(json.loads(states[-1].read_text()))
+    except (OSError, ValueError):
+        return False
+
+
 def test_asha_sweep_nests_runs_frees_resources_and_resumes(workdir: Path) -> None:
     write_workload(workdir, SWEEP)
     args = ["sweep", "w.yaml", "--name", "s1"]  # a local Ray of its own, with the dashboard
     first = shoal_cli(args, workdir)
     sweep_dir = workdir / "shoal_runs" / "sweeps" / "s1"
-    wait_for(lambda: trial_results(sweep_dir) >= 1 or first.poll() is not None, 240, "a first trial result")
+    wait_for(
+        lambda: (trial_results(sweep_dir) >= 1 and state_is_whole(sweep_dir)) or first.poll() is not None,
+        240,
+        "a first trial result",
+    )
     assert first.poll() is None, first.communicate()
     os.kill(first.pid, signal.SIGKILL)  # the sweep's driver dies mid-sweep
     first.wait()

@@ -168,3 +168,31 @@ def test_trial_observer_passes_evaluations_and_knows_the_last_step() -> None:
     saved = {"checkpoint": "/runs/x/checkpoint-00000020", "step": 20}
     assert sink.get_nowait() == ({"step": 20, "train/loss": 1.5, "val/accuracy": 0.8}, saved)
     assert sink.empty()
+
+
+def test_a_cut_short_sweep_state_is_set_aside_for_the_newest_whole_one(tmp_path: Path) -> None:
+    from shoal.launch.sweep import set_aside_torn_state
+
+    whole = tmp_path / "experiment_state-2026-12-03_10-00-00.json"
+    whole.write_text('{"trial_data": []}')
+    torn = tmp_path / "experiment_state-2026-12-03_11-00-00.json"
+    torn.write_text('{"trial_da')  # the copy was cut short by the driver's death
+    set_aside_torn_state(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        whole.name,
+        "experiment_state-2026-12-03_11-00-00.json.torn",
+    ]
+
+
+def test_a_sweep_with_no_whole_state_is_refused_with_the_reason(tmp_path: Path) -> None:
+    from shoal.launch.sweep import set_aside_torn_state
+
+    sweep_dir = tmp_path / "s1"
+    sweep_dir.mkdir()
+    (sweep_dir / "experiment_state-2026-12-03_11-00-00.json").write_text("")
+    with pytest.raises(SweepError) as refused:
+        set_aside_torn_state(sweep_dir)
+    message = str(refused.value)
+    assert "'s1'" in message and "experiment_state-2026-12-03_11-00-00.json cut short" in message
+    assert "without --resume" in message
+    assert not list(sweep_dir.glob("*.json"))

@@ -8,6 +8,7 @@ in `<checkpoint.storage>/sweeps/<name>`, so a killed sweep goes on with
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -61,11 +62,34 @@ def _sweep_name(loaded: LoadedWorkload, root: Path, options: SweepOptions) -> st
     if options.name:
         if not tune.Tuner.can_restore(str(root / options.name)):
             raise SweepError(f"--resume: no sweep named '{options.name}' in {root}")
+        set_aside_torn_state(root / options.name)
         return options.name
     candidates = sorted(p for p in root.glob(f"{prefix}*") if tune.Tuner.can_restore(str(p)))
     if not candidates:
         raise SweepError(f"--resume: no sweep of '{loaded.workload.name}' to resume in {root}")
+    set_aside_torn_state(candidates[-1])
     return candidates[-1].name
+
+
+def set_aside_torn_state(sweep_dir: Path) -> None:
+    """Ray Tune copies its experiment state into the sweep's folder in place after each save: a
+    driver killed during the copy leaves a cut-short file, which Tune restores as a sweep whose
+    trials have no settings. Such files are renamed `*.torn`, so that Tune restores the newest
+    whole state (one per earlier session of the sweep); none left is a SweepError."""
+    states = sorted(sweep_dir.glob("experiment_state-*.json"))  # Tune restores the newest name
+    torn = []
+    for state in reversed(states):
+        try:
+            json.loads(state.read_text())
+            return
+        except ValueError:  # empty or cut short (UnicodeDecodeError is one too)
+            state.rename(state.with_name(state.name + ".torn"))
+            torn.append(state.name)
+    raise SweepError(
+        f"--resume: sweep '{sweep_dir.name}' in {sweep_dir.parent} has no whole saved state "
+        f"({', '.join(torn) or 'none'} cut short: its driver was killed while Ray Tune was writing it); "
+        "run it again without --resume"
+    )
 
 
 def _base_workload(loaded: LoadedWorkload) -> dict[str, Any]:
