@@ -7,7 +7,6 @@ placement-group cleaner needs), as `shoal sweep` does without --address.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -16,6 +15,7 @@ from pathlib import Path
 import yaml
 from mlflow.tracking import MlflowClient
 
+from shoal.launch.sweep import is_whole_state
 from tests.conftest import write_workload
 from tests.integration.helpers import loss_steps, shoal_cli, wait_for
 
@@ -61,10 +61,7 @@ def state_is_whole(sweep_dir: Path) -> bool:
     in place, so a kill during the copy leaves it cut short: that sweep cannot be resumed, and
     `shoal sweep --resume` says so (tests/unit/test_sweep.py). This test kills between copies."""
     states = sorted(sweep_dir.glob("experiment_state-*.json"))
-    try:
-        return bool(states) and bool(json.loads(states[-1].read_text()))
-    except (OSError, ValueError):
-        return False
+    return bool(states) and is_whole_state(states[-1])
 
 
 def test_asha_sweep_nests_runs_frees_resources_and_resumes(workdir: Path) -> None:

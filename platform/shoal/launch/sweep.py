@@ -62,13 +62,20 @@ def _sweep_name(loaded: LoadedWorkload, root: Path, options: SweepOptions) -> st
     if options.name:
         if not tune.Tuner.can_restore(str(root / options.name)):
             raise SweepError(f"--resume: no sweep named '{options.name}' in {root}")
-        set_aside_torn_state(root / options.name)
         return options.name
     candidates = sorted(p for p in root.glob(f"{prefix}*") if tune.Tuner.can_restore(str(p)))
     if not candidates:
         raise SweepError(f"--resume: no sweep of '{loaded.workload.name}' to resume in {root}")
-    set_aside_torn_state(candidates[-1])
     return candidates[-1].name
+
+
+def is_whole_state(state: Path) -> bool:
+    """One of Tune's experiment_state files reads back as JSON (not empty, not cut short)."""
+    try:
+        json.loads(state.read_text())
+    except ValueError:  # empty or cut short (UnicodeDecodeError is one too)
+        return False
+    return True
 
 
 def set_aside_torn_state(sweep_dir: Path) -> None:
@@ -79,12 +86,10 @@ def set_aside_torn_state(sweep_dir: Path) -> None:
     states = sorted(sweep_dir.glob("experiment_state-*.json"))  # Tune restores the newest name
     torn = []
     for state in reversed(states):
-        try:
-            json.loads(state.read_text())
+        if is_whole_state(state):
             return
-        except ValueError:  # empty or cut short (UnicodeDecodeError is one too)
-            state.rename(state.with_name(state.name + ".torn"))
-            torn.append(state.name)
+        state.rename(state.with_name(state.name + ".torn"))
+        torn.append(state.name)
     raise SweepError(
         f"--resume: sweep '{sweep_dir.name}' in {sweep_dir.parent} has no whole saved state "
         f"({', '.join(torn) or 'none'} cut short: its driver was killed while Ray Tune was writing it); "
@@ -135,6 +140,8 @@ def sweep(loaded: LoadedWorkload, options: SweepOptions) -> SweepResult:
         raise SweepError(f"{loaded.source.file}: no 'sweep' section to run")
     root = _local_root(w.checkpoint.storage)
     name = _sweep_name(loaded, root, options)
+    if options.resume:  # refused before Ray starts or the MLflow parent run is touched
+        set_aside_torn_state(root / name)
     make_searcher(w.sweep)  # a missing optional package is reported before anything starts
     base = _base_workload(loaded)
     uri, experiment = base["tracking"]["uri"], w.tracking.experiment or w.name
