@@ -81,12 +81,19 @@ class Manifest:
         return dataset_root([f.path for f in self.files])
 
     def groups_of(self, file: int) -> list[tuple[int, int]]:
-        return [(g.rows, g.bytes) for g in self.row_groups if g.file == file]
+        return self._groups_per_file()[file]
+
+    def _groups_per_file(self) -> list[list[tuple[int, int]]]:
+        """(rows, bytes) of each file's row groups, in one pass over them."""
+        per_file: list[list[tuple[int, int]]] = [[] for _ in self.files]
+        for g in self.row_groups:
+            per_file[g.file].append((g.rows, g.bytes))
+        return per_file
 
     def to_json(self) -> str:
         files = [
-            {"path": f.path, "size": f.size, "stamp": f.stamp, "row_groups": self.groups_of(i)}
-            for i, f in enumerate(self.files)
+            {"path": f.path, "size": f.size, "stamp": f.stamp, "row_groups": groups}
+            for f, groups in zip(self.files, self._groups_per_file(), strict=True)
         ]
         return json.dumps({"format": FORMAT, "digest": self.digest, "files": files}, indent=1)
 
@@ -136,7 +143,7 @@ def build_manifest(files: list[str], filesystem: pafs.FileSystem | None = None) 
     """
     fs, located = _locate(files, filesystem)
     listed = _list_files(fs, located)
-    return Manifest.from_groups(listed, [_footer_groups(fs, located[f.path], f.path) for f in listed])
+    return _from_footers(fs, located, listed)
 
 
 def load_or_build_manifest(
@@ -150,7 +157,7 @@ def load_or_build_manifest(
     cached = _read_cached(cache_file, listed)
     if cached is not None:
         return cached
-    manifest = Manifest.from_groups(listed, [_footer_groups(fs, located[f.path], f.path) for f in listed])
+    manifest = _from_footers(fs, located, listed)
     _write_atomically(cache_file, manifest.to_json())
     return manifest
 
@@ -242,6 +249,10 @@ def _list_files(fs: pafs.FileSystem, located: dict[str, str]) -> list[ManifestFi
             raise DataError(path, "not a file")
         listed.append(ManifestFile(path, info.size, "" if info.mtime_ns is None else str(info.mtime_ns)))
     return listed
+
+
+def _from_footers(fs: pafs.FileSystem, located: dict[str, str], listed: list[ManifestFile]) -> Manifest:
+    return Manifest.from_groups(listed, [_footer_groups(fs, located[f.path], f.path) for f in listed])
 
 
 def _footer_groups(fs: pafs.FileSystem, located: str, given: str) -> list[tuple[int, int]]:
