@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import sys
 from pathlib import Path
 
 import torch
@@ -23,8 +24,12 @@ from torch.profiler import profile
 from shoal.spec.schema import Workload
 from shoal.worker.engine import Engine
 
-WORKLOAD = Path(__file__).resolve().parent / "gpt_bench.yaml"
-WARMUP_STEPS = 4
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.common import GPT_ARGS, MICRO_BATCH, WARMUP_STEPS  # noqa: E402
+
+WORKLOAD = REPO / "bench" / "gpt_bench.yaml"
 
 
 def build_engine() -> Engine:
@@ -42,7 +47,9 @@ def main() -> None:
     torch.set_num_threads(1)
     engine = build_engine()
     generator = torch.Generator().manual_seed(0)
-    batches = [{"tokens": torch.randint(0, 256, (4, 257), generator=generator)} for _ in range(8)]
+    shape = (MICRO_BATCH, GPT_ARGS["seq_len"] + 1)  # the peers' micro-batch: windows of seq_len + 1
+    vocab = GPT_ARGS["vocab_size"]
+    batches = [{"tokens": torch.randint(0, vocab, shape, generator=generator)} for _ in range(8)]
     for index in range(WARMUP_STEPS):
         engine.forward_backward([batches[index % 8]])
         engine.optimizer_step()
