@@ -101,3 +101,35 @@ def test_a_fresh_run_dir_gets_a_fresh_mlflow_run(tmp_path: Path) -> None:
     Recorder(first).finish("FINISHED")
     assert _open(tmp_path, resume=False).run_id != first.run_id  # checkpoints gone: start afresh
     assert _open(tmp_path, resume=True, run_dir="/runs/other").run_id != first.run_id
+
+
+class _ReadsBackOnEachCall:
+    """A sweep's observer: Tune may end the trial the moment it hears, so what it hears of
+    must already be in MLflow."""
+
+    def __init__(self, client: MlflowClient, run_id: str):
+        self.client, self.run_id, self.seen = client, run_id, []
+
+    def _stored(self, name: str) -> None:
+        losses = self.client.get_metric_history(self.run_id, "train/loss")
+        tags = self.client.get_run(self.run_id).data.tags
+        self.seen.append((name, sorted(m.step for m in losses), tags.get("shoal.latest_checkpoint")))
+
+    def on_progress(self, step: int, total: int, metrics: dict[str, float]) -> None:
+        self._stored("progress")
+
+    def on_event(self, event: Event) -> None:
+        self._stored(event.kind.value)
+
+    def on_checkpoint(self, path: str, step: int) -> None:
+        self._stored("checkpoint")
+
+
+def test_the_observer_hears_of_a_report_only_once_it_is_written(tmp_path: Path) -> None:
+    run = _open(tmp_path, resume=False)
+    observer = _ReadsBackOnEachCall(MlflowClient(run.uri), run.run_id)
+    recorder = Recorder(run, observer=observer)
+    recorder.handle(_report(range(1, 6), [_eval(5, 0.5)], checkpoint="/runs/a/checkpoint-5"))
+    written = (list(range(1, 6)), "/runs/a/checkpoint-5")
+    assert observer.seen == [("eval", *written), ("checkpoint", *written), ("progress", *written)]
+    recorder.finish("FINISHED")

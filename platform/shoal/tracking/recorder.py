@@ -69,10 +69,12 @@ class Recorder:
         self.logged_until = run.logged_until
         self.logged_evals: set[int] = set()
         self.earlier_events = 0  # events recorded by earlier drivers of a resumed job
+        self.untold: list[tuple[str, tuple[Any, ...]]] = []  # observer calls, made once written
         if run.resumed:
             history = run.client.get_metric_history(run.run_id, Metric.VAL_LOSS.value)
             self.logged_evals = {m.step for m in history}
             self._continue_history()
+            self._tell_observer()
 
     def _continue_history(self) -> None:
         """A resumed job goes on with the events and attempt counts its earlier drivers recorded."""
@@ -84,9 +86,15 @@ class Recorder:
         self._event(Event(EventKind.JOB_RESUMED, fields={"previous_attempts": self.state.attempts}))
 
     def handle(self, message: ReportMessage | FailureMessage) -> None:
+        """Writes the message to MLflow, then tells the observer: a sweep's scheduler may end
+        the trial as soon as it hears of an evaluation, and what came with it must be written."""
         if isinstance(message, FailureMessage):
             self._event(message.event())
-            return
+        else:
+            self._record(message)
+        self._tell_observer()
+
+    def _record(self, message: ReportMessage) -> None:
         summary = message.summary
         self.state.step = summary.step
         self.state.total_steps = summary.total_steps
@@ -102,10 +110,14 @@ class Recorder:
             self.state.fatal = summary.fatal
         if summary.final:
             self.state.finished = True
+        progress = {**self.state.latest, **self.state.evals}
+        self.untold.append(("on_progress", (self.state.step, self.state.total_steps, progress)))
+
+    def _tell_observer(self) -> None:
+        told, self.untold = self.untold, []
         if self.observer:
-            self.observer.on_progress(
-                self.state.step, self.state.total_steps, {**self.state.latest, **self.state.evals}
-            )
+            for name, args in told:
+                getattr(self.observer, name)(*args)
 
     def _log_steps(self, steps: list[StepRecord]) -> None:
         rows = []
@@ -135,15 +147,13 @@ class Recorder:
             if step not in self.logged_evals:
                 self._log_rows([(k, v, step, event.time) for k, v in values.items()])
                 self.logged_evals.add(step)
-            if self.observer:
-                self.observer.on_event(event)
+            self.untold.append(("on_event", (event,)))
             return
         self.state.events.append(event)
         if event.kind == EventKind.ATTEMPT_STARTED:
             self._attempt(event)
         self.run.log_json([e.to_dict() for e in self.state.events], EVENTS_FILE)
-        if self.observer:
-            self.observer.on_event(event)
+        self.untold.append(("on_event", (event,)))
 
     def _attempt(self, event: Event) -> None:
         gpu = gpu_for_device(event.get("device_name") or "")
@@ -166,8 +176,7 @@ class Recorder:
 
     def _checkpoint(self, path: str, summary: ReportSummary) -> None:
         self.state.checkpoints.append(path)
-        if self.observer:
-            self.observer.on_checkpoint(path, summary.step)
+        self.untold.append(("on_checkpoint", (path, summary.step)))
         self.run.set_tags({"shoal.latest_checkpoint": path, "shoal.latest_checkpoint_step": summary.step})
 
     def _trace(self, trace: ProfileTrace) -> None:
