@@ -133,3 +133,25 @@ def test_the_observer_hears_of_a_report_only_once_it_is_written(tmp_path: Path) 
     written = (list(range(1, 6)), "/runs/a/checkpoint-5")
     assert observer.seen == [("eval", *written), ("checkpoint", *written), ("progress", *written)]
     recorder.finish("FINISHED")
+
+
+def test_a_write_that_raises_leaves_no_observer_call_for_the_next_report(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = _open(tmp_path, resume=False)
+    observer = _ReadsBackOnEachCall(MlflowClient(run.uri), run.run_id)
+    recorder = Recorder(run, observer=observer)
+    set_tags = run.set_tags
+
+    def broken(tags: dict) -> None:
+        raise RuntimeError("a bug in a write")
+
+    monkeypatch.setattr(run, "set_tags", broken)
+    with pytest.raises(RuntimeError, match="a bug"):
+        recorder.handle(_report(range(1, 6), [_eval(5, 0.5)], checkpoint="/runs/a/checkpoint-5"))
+    assert [name for name, *_ in observer.seen] == ["eval"]  # written before the raise; the checkpoint not
+    monkeypatch.setattr(run, "set_tags", set_tags)
+    observer.seen.clear()
+    recorder.handle(_report(range(6, 8)))
+    assert observer.seen == [("progress", list(range(1, 8)), None)]
+    recorder.finish("FINISHED")

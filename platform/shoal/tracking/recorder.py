@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -69,7 +70,7 @@ class Recorder:
         self.logged_until = run.logged_until
         self.logged_evals: set[int] = set()
         self.earlier_events = 0  # events recorded by earlier drivers of a resumed job
-        self.untold: list[tuple[str, tuple[Any, ...]]] = []  # observer calls, made once written
+        self.untold: list[Callable[[Observer], None]] = []  # observer calls, made once written
         if run.resumed:
             history = run.client.get_metric_history(run.run_id, Metric.VAL_LOSS.value)
             self.logged_evals = {m.step for m in history}
@@ -88,11 +89,13 @@ class Recorder:
     def handle(self, message: ReportMessage | FailureMessage) -> None:
         """Writes the message to MLflow, then tells the observer: a sweep's scheduler may end
         the trial as soon as it hears of an evaluation, and what came with it must be written."""
-        if isinstance(message, FailureMessage):
-            self._event(message.event())
-        else:
-            self._record(message)
-        self._tell_observer()
+        try:
+            if isinstance(message, FailureMessage):
+                self._event(message.event())
+            else:
+                self._record(message)
+        finally:  # what was written, even if a later write raised; nothing left for the next message
+            self._tell_observer()
 
     def _record(self, message: ReportMessage) -> None:
         summary = message.summary
@@ -110,14 +113,15 @@ class Recorder:
             self.state.fatal = summary.fatal
         if summary.final:
             self.state.finished = True
+        step, total = self.state.step, self.state.total_steps
         progress = {**self.state.latest, **self.state.evals}
-        self.untold.append(("on_progress", (self.state.step, self.state.total_steps, progress)))
+        self.untold.append(lambda observer: observer.on_progress(step, total, progress))
 
     def _tell_observer(self) -> None:
         told, self.untold = self.untold, []
         if self.observer:
-            for name, args in told:
-                getattr(self.observer, name)(*args)
+            for call in told:
+                call(self.observer)
 
     def _log_steps(self, steps: list[StepRecord]) -> None:
         rows = []
@@ -147,13 +151,13 @@ class Recorder:
             if step not in self.logged_evals:
                 self._log_rows([(k, v, step, event.time) for k, v in values.items()])
                 self.logged_evals.add(step)
-            self.untold.append(("on_event", (event,)))
+            self.untold.append(lambda observer: observer.on_event(event))
             return
         self.state.events.append(event)
         if event.kind == EventKind.ATTEMPT_STARTED:
             self._attempt(event)
         self.run.log_json([e.to_dict() for e in self.state.events], EVENTS_FILE)
-        self.untold.append(("on_event", (event,)))
+        self.untold.append(lambda observer: observer.on_event(event))
 
     def _attempt(self, event: Event) -> None:
         gpu = gpu_for_device(event.get("device_name") or "")
@@ -176,8 +180,9 @@ class Recorder:
 
     def _checkpoint(self, path: str, summary: ReportSummary) -> None:
         self.state.checkpoints.append(path)
-        self.untold.append(("on_checkpoint", (path, summary.step)))
-        self.run.set_tags({"shoal.latest_checkpoint": path, "shoal.latest_checkpoint_step": summary.step})
+        step = summary.step
+        self.run.set_tags({"shoal.latest_checkpoint": path, "shoal.latest_checkpoint_step": step})
+        self.untold.append(lambda observer: observer.on_checkpoint(path, step))
 
     def _trace(self, trace: ProfileTrace) -> None:
         """A worker's profiler trace -> MLflow artifacts `profiles/` (and TensorBoard)."""
