@@ -177,10 +177,11 @@ class EpochPlan:
 
     def row_ids(self, window: Window) -> np.ndarray:
         """Global row ids of a window's rows, in sequence order (before mixing)."""
-        return np.concatenate(
-            [np.arange(p.start, p.stop) + self._first_rows[p.group] for p in window.pieces]
-            or [np.empty(0, int)]
-        )
+        return self._ids(window.pieces)
+
+    def _ids(self, pieces: tuple[Piece, ...]) -> np.ndarray:
+        ranges = [np.arange(p.start, p.stop) + self._first_rows[p.group] for p in pieces]
+        return np.concatenate(ranges or [np.empty(0, int)])
 
     def micro_batch_rows(self, index: int) -> np.ndarray:
         """Global row ids of global micro-batch `index` of the epoch, in training order."""
@@ -192,9 +193,7 @@ class EpochPlan:
 
     def tail_rows(self) -> np.ndarray:
         """Global row ids this epoch leaves out (fewer than one global batch)."""
-        used = self.per_step * self.lane_rows
-        window = Window(-1, -1, 0, self.pieces(used, self.total_rows), np.empty(0, int))
-        return self.row_ids(window)
+        return self._ids(self.pieces(self.per_step * self.lane_rows, self.total_rows))
 
 
 def plan_for(
