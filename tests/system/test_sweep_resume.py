@@ -7,6 +7,7 @@ placement-group cleaner needs), as `shoal sweep` does without --address.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -16,6 +17,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from shoal.launch.sweep import is_whole_state
+from shoal.launch.tuning import ASHA_RUNGS
 from tests.conftest import write_workload
 from tests.integration.helpers import loss_steps, shoal_cli, wait_for
 
@@ -94,6 +96,11 @@ def test_asha_sweep_nests_runs_frees_resources_and_resumes(workdir: Path) -> Non
         assert max(loss_steps(client, child.info.run_id)) < 20
     for child in finished:
         assert loss_steps(client, child.info.run_id) == list(range(1, 21))
+
+    # ASHA kept every trial's scores across the kill (Tune alone forgets them: launch/asha.py).
+    rungs = json.loads((sweep_dir / ASHA_RUNGS).read_text())["rungs"]
+    recorded = {trial for bracket in rungs for _, scores in bracket for trial in scores}
+    assert recorded == {c.data.tags["shoal.trial_id"] for c in children}, rungs
 
     # Trials with the same values train identically (same seed), so the best may be a tie.
     top = max(c.data.metrics["val/accuracy"] for c in finished)

@@ -121,19 +121,62 @@ def test_search_space_in_tune_terms(tmp_path: Path) -> None:
     assert search_space(sweep)["model.args.channels"] == {"grid_search": [16, 32]}
 
 
+class Trial:
+    def __init__(self, trial_id: str):
+        self.trial_id = trial_id
+
+
+def asha_decisions(scheduler, results: list[tuple[str, int, float]]) -> list[str]:
+    decisions = []
+    for trial_id, step, accuracy in results:
+        trial = Trial(trial_id)
+        if trial_id not in scheduler._trial_info:
+            scheduler.on_trial_add(None, trial)
+        decisions.append(scheduler.on_trial_result(None, trial, {"step": step, "val/accuracy": accuracy}))
+    return decisions
+
+
+def test_asha_judges_a_resumed_sweep_against_the_scores_recorded_before(tmp_path: Path) -> None:
+    """Tune restores the scheduler pickled when the sweep started (ray-project/ray#30838):
+    a plain ASHA forgets its rungs; shoal's reads them back from the sweep's folder."""
+    import pickle
+
+    from ray.tune.schedulers import ASHAScheduler
+
+    w = load(sweep_workload(tmp_path, scheduler="asha", grace_period=5)).workload
+    w.train.max_steps = 20
+    asha = make_scheduler(w.sweep, w, tmp_path)
+    plain = ASHAScheduler(time_attr="step", metric="val/accuracy", mode="max", max_t=20, grace_period=5)
+    at_start = [pickle.dumps(s) for s in (asha, plain)]  # as Tune writes tuner.pkl
+    before_the_kill = [("good", 5, 0.8), ("bad", 5, 0.1), ("good", 10, 0.9)]
+    for scheduler in (asha, plain):
+        scheduler.set_search_properties("val/accuracy", "max")
+        assert asha_decisions(scheduler, before_the_kill) == ["CONTINUE", "STOP", "CONTINUE"]
+
+    resumed, plain_resumed = (pickle.loads(p) for p in at_start)
+    for scheduler in (resumed, plain_resumed):
+        scheduler.set_search_properties("val/accuracy", "max")
+    assert asha_decisions(resumed, [("hopeless", 5, 0.1)]) == ["STOP"]
+    assert asha_decisions(plain_resumed, [("hopeless", 5, 0.1)]) == ["CONTINUE"]  # Ray's own: forgotten
+    assert asha_decisions(resumed, [("good", 20, 0.95)]) == ["STOP"]  # the end of a trial, as before
+    fresh = make_scheduler(w.sweep, w, tmp_path)  # a new sweep of that name starts from empty rungs
+    fresh.set_search_properties("val/accuracy", "max")
+    assert asha_decisions(fresh, [("hopeless", 5, 0.1)]) == ["CONTINUE"]
+
+
 def test_schedulers_and_searchers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, PopulationBasedTraining
 
     loaded = load(sweep_workload(tmp_path, grace_period=50, reduction_factor=3))
     w = loaded.workload
-    asha = make_scheduler(w.sweep, w)
+    asha = make_scheduler(w.sweep, w, tmp_path)
     assert isinstance(asha, ASHAScheduler)
     assert (asha._time_attr, asha._max_t, asha._reduction_factor) == ("step", 400, 3)
     assert asha._brackets[0]._rungs[-1][0] == 50  # the first rung is at the grace period
     w.sweep.scheduler = "fifo"
-    assert isinstance(make_scheduler(w.sweep, w), FIFOScheduler)
+    assert isinstance(make_scheduler(w.sweep, w, tmp_path), FIFOScheduler)
     w.sweep.scheduler, w.sweep.perturbation_interval = "pbt", 100
-    pbt = make_scheduler(w.sweep, w)
+    pbt = make_scheduler(w.sweep, w, tmp_path)
     assert isinstance(pbt, PopulationBasedTraining) and pbt._perturbation_interval == 100
     assert set(pbt._hyperparam_mutations) == {"train.optimizer.lr"}
     assert make_searcher(w.sweep) is None

@@ -126,7 +126,7 @@ def _tuner(loaded: LoadedWorkload, name: str, root: Path, context: dict[str, Any
             mode=sweep.mode,
             num_samples=sweep.samples,
             max_concurrent_trials=sweep.max_concurrent,
-            scheduler=make_scheduler(sweep, loaded.workload),
+            scheduler=make_scheduler(sweep, loaded.workload, root / name),
             search_alg=make_searcher(sweep),
         ),
         run_config=tune.RunConfig(name=name, storage_path=str(root), callbacks=[TrialEvents()], verbose=0),

@@ -27,6 +27,10 @@ from shoal.spec.schema import SearchDomain, SweepSpec, Workload
 from shoal.spec.sweep import with_values
 from shoal.tracking.sweep_runs import TRIAL_TAG, trial_run
 
+# In the sweep's folder: what ASHA recorded, for --resume. Not named *.json or *.pkl: Tune copies
+# those from the sweep's folder into its staging folder on restore and back again on every sync
+# (tune/execution/experiment_state.py), which would put the copy from the start of a resume back.
+ASHA_RUNGS = "asha_rungs.state"
 POINTER = "shoal-checkpoint.json"  # a Tune checkpoint of a trial: which shoal checkpoint it means
 
 
@@ -98,13 +102,17 @@ def make_searcher(sweep: SweepSpec) -> Any:
     return OptunaSearch(seed=0)
 
 
-def make_scheduler(sweep: SweepSpec, workload: Workload) -> Any:
-    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, PopulationBasedTraining  # lazy
+def make_scheduler(sweep: SweepSpec, workload: Workload, state_dir: Path) -> Any:
+    """Tune's scheduler for the sweep; ASHA keeps its rungs in `state_dir` for --resume."""
+    from ray.tune.schedulers import FIFOScheduler, PopulationBasedTraining  # lazy
+
+    from shoal.launch.asha import ResumableASHA  # lazy: imports Ray Tune
 
     max_steps = workload.train.max_steps or 1
     if sweep.scheduler == "asha":
         grace = sweep.grace_period or max(1, max_steps // 8)
-        return ASHAScheduler(
+        return ResumableASHA(
+            state_file=str(state_dir.resolve() / ASHA_RUNGS),
             time_attr="step",
             max_t=max_steps,
             grace_period=min(grace, max_steps),
