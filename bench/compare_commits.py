@@ -6,7 +6,8 @@
 second shoal: BASE_REV checked out into a temporary git worktree and put first on
 PYTHONPATH (Ray's workers inherit it). Each repetition runs torchrun, shoal at
 BASE_REV and shoal here back to back, order rotated; the shoal/torchrun ratio is
-taken within the repetition. Prints the medians (min-max) and the machine.
+taken within the repetition. Prints the medians (min-max) and the machine, and saves the
+results to bench/results_commits.json (`--results`), which BENCHMARKS.md shows.
 """
 
 from __future__ import annotations
@@ -54,7 +55,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--precision", default="fp32")
+    parser.add_argument("--results", default=str(REPO / "bench" / "results_commits.json"))
     args = parser.parse_args()
+    began = time.time()
     results: dict[str, list[float]] = {"torchrun": [], "base": [], "here": []}
     ratios: dict[str, list[float]] = {"base": [], "here": []}
     with tempfile.TemporaryDirectory(prefix="shoal-ab-") as tmp:
@@ -85,6 +88,19 @@ def main() -> None:
         print(f"tokens/s {name}: {summary(results[name])}")
     print(f"shoal/torchrun at {args.base}: {summary(ratios['base'])}")
     print(f"shoal/torchrun here: {summary(ratios['here'])}")
+    rev = ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"]
+    here = subprocess.run(rev, capture_output=True, text=True)
+    saved = {
+        "machine": f"{machine()}; CPU capability {torch.backends.cpu.get_cpu_capability()}",
+        "base": args.base,
+        "here": here.stdout.strip(),
+        "precision": args.precision,
+        "steps": args.steps,
+        "began": began,
+        "ended": time.time(),
+        "tokens_per_s": results,
+    }
+    Path(args.results).write_text(json.dumps(saved, indent=1))
 
 
 if __name__ == "__main__":

@@ -84,6 +84,36 @@ def render(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def commit_ab(saved: dict[str, Any]) -> list[str]:
+    """bench/compare_commits.py's paired runs: shoal at two commits, each against torchrun."""
+    speed = saved["tokens_per_s"]
+    pairs = list(zip(speed["torchrun"], speed["base"], speed["here"], strict=True))
+    at = time.strftime("%Y-%m-%d %H:%M", time.gmtime(saved["began"]))
+    command = (
+        f"`.venv/bin/python bench/compare_commits.py {saved['base']} --repeats {len(pairs)} "
+        f"--steps {saved['steps']}`"
+    )
+    base_ratio, here_ratio = [b / t for t, b, _ in pairs], [h / t for t, _, h in pairs]
+    return [
+        "",
+        f"## shoal at {saved['here']} against {saved['base']}",
+        "",
+        f"{command}, from {at} UTC on {saved['machine']}: {saved['precision']}, {len(pairs)} repetitions "
+        f"of torchrun, shoal at {saved['base']} and shoal at {saved['here']} back to back (order rotated), "
+        "the same model and commands as above; ratios taken within each repetition.",
+        "",
+        "| | tokens/s | shoal/torchrun |",
+        "| --- | --- | --- |",
+        f"| torchrun | {summarise(speed['torchrun'])} | |",
+        f"| shoal at {saved['base']} | {summarise(speed['base'])} | {summarise(base_ratio)} |",
+        f"| shoal at {saved['here']} | {summarise(speed['here'])} | {summarise(here_ratio)} |",
+        "",
+        f"Per repetition, {saved['here']}/{saved['base']}: "
+        + ", ".join(f"{h / b:.3f}" for _, b, h in pairs)
+        + f" (median {statistics.median(h / b for _, b, h in pairs):.3f}).",
+    ]
+
+
 def three_way(runs: dict[str, dict[str, list[dict]]]) -> list[str]:
     lines = [
         "## shoal vs torchrun vs bare Ray Train",

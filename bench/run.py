@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO))
 from bench.common import WARMUP_STEPS  # noqa: E402
 from bench.cpu_share import CpuSampler  # noqa: E402
 from bench.multinode import three_node_cluster  # noqa: E402
-from bench.report import RECOVERY_SECTION, machine, render  # noqa: E402
+from bench.report import RECOVERY_SECTION, commit_ab, machine, render  # noqa: E402
 from shoal.messages import Metric  # noqa: E402
 
 BIN = Path(sys.executable).parent
@@ -118,6 +118,9 @@ def main() -> None:
     out = Path(args.out)
     kept = out.read_text().partition(RECOVERY_SECTION) if out.exists() else ("", "", "")
     text = render(results)
+    commits = REPO / "bench" / "results_commits.json"  # bench/compare_commits.py's, when run
+    if commits.exists():
+        text += "\n".join(commit_ab(json.loads(commits.read_text()))) + "\n"
     if kept[1]:  # `make bench-recovery`'s section stays
         text += "\n" + kept[1] + kept[2]
     out.write_text(text)
