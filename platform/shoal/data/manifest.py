@@ -141,7 +141,7 @@ def build_manifest(files: list[str], filesystem: pafs.FileSystem | None = None) 
     locally and URIs through the filesystem pyarrow infers from the first one. A file that is
     missing or has no readable footer is a DataError naming it.
     """
-    fs, located = _locate(files, filesystem)
+    fs, located = locate_files(files, filesystem)
     listed = _list_files(fs, located)
     return _from_footers(fs, located, listed)
 
@@ -151,7 +151,7 @@ def load_or_build_manifest(
 ) -> Manifest:
     """`build_manifest`, but from `cache_dir` when these paths, with these sizes and modification
     times, were built before. A cache file that cannot be read back is rebuilt and replaced."""
-    fs, located = _locate(files, filesystem)
+    fs, located = locate_files(files, filesystem)
     listed = _list_files(fs, located)
     cache_file = Path(cache_dir) / f"manifest-{_cache_key(listed)[:32]}.json"
     cached = _read_cached(cache_file, listed)
@@ -210,8 +210,10 @@ def coarse_row_groups(manifest: Manifest, micro_batch_rows: int, dp: int) -> str
     )
 
 
-def _locate(files: list[str], filesystem: pafs.FileSystem | None) -> tuple[pafs.FileSystem, dict[str, str]]:
-    """The filesystem and, per given path, the path within it."""
+def locate_files(
+    files: list[str], filesystem: pafs.FileSystem | None = None
+) -> tuple[pafs.FileSystem, dict[str, str]]:
+    """The filesystem and, per given path, the path within it (the manifest's and the reader's)."""
     if not files:
         raise ValueError("a manifest needs at least one file")
     remote = ["://" in f for f in files]

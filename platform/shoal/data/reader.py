@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import torch
 
 from shoal.data.errors import DataError
-from shoal.data.manifest import Manifest
+from shoal.data.manifest import Manifest, locate_files
 
 OPEN_FILES = 16  # parquet files a reader keeps open (footers parsed) at once
 
@@ -73,22 +73,14 @@ class CountingFile:
         self.closed = True
 
 
-def filesystem_of(manifest: Manifest) -> tuple[pafs.FileSystem, list[str]]:
-    """The filesystem holding a manifest's files and each file's path within it."""
-    first = manifest.files[0].path
-    if "://" in first and not first.startswith("file://"):
-        filesystem, _ = pafs.FileSystem.from_uri(first)
-        return filesystem, [f.path.split("://", 1)[1] for f in manifest.files]
-    return pafs.LocalFileSystem(), [f.path.removeprefix("file://") for f in manifest.files]
-
-
 class RowGroupReader:
     """Whole row groups of a manifest's files, by the manifest's group index."""
 
     def __init__(self, manifest: Manifest, counts: ReadCounts, filesystem: pafs.FileSystem | None = None):
         self.manifest, self.counts = manifest, counts
-        located_fs, self.paths = filesystem_of(manifest)
-        self.filesystem = filesystem or located_fs
+        given = [f.path for f in manifest.files]
+        self.filesystem, located = locate_files(given, filesystem)
+        self.paths = [located[path] for path in given]
         self.open: OrderedDict[int, tuple[CountingFile, pq.ParquetFile]] = OrderedDict()
 
     def read(self, group: int) -> pa.Table:
