@@ -82,7 +82,8 @@ def main() -> None:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(base)], check=False)
     import torch
 
-    print(f"machine: {machine()}; CPU capability {torch.backends.cpu.get_cpu_capability()}")
+    measured_on = f"{machine()}; CPU capability {torch.backends.cpu.get_cpu_capability()}"
+    print(f"machine: {measured_on}")
     print(f"precision {args.precision}, {args.repeats} repetitions, {args.steps} steps")
     for name in results:
         print(f"tokens/s {name}: {summary(results[name])}")
@@ -91,13 +92,12 @@ def main() -> None:
     rev = ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"]
     here = subprocess.run(rev, capture_output=True, text=True)
     saved = {
-        "machine": f"{machine()}; CPU capability {torch.backends.cpu.get_cpu_capability()}",
+        "machine": measured_on,
         "base": args.base,
         "here": here.stdout.strip(),
         "precision": args.precision,
         "steps": args.steps,
         "began": began,
-        "ended": time.time(),
         "tokens_per_s": results,
     }
     Path(args.results).write_text(json.dumps(saved, indent=1))
