@@ -134,7 +134,18 @@ def cmd_validate(args: argparse.Namespace) -> int:
             f"   sweep: {', '.join(sweep.space)}; {sweep.samples} samples, {sweep.scheduler}, "
             f"{sweep.searcher} search, {sweep.mode} {sweep.metric}"
         )
+    if loaded.data is not None and (coarse := _row_group_warning(loaded)):
+        console.print(f"[yellow]warning[/] {escape(coarse)}", soft_wrap=True)
     return 0
+
+
+def _row_group_warning(loaded: Any) -> str | None:
+    # deferred: this layer imports torch, Ray or MLflow (seconds); see the module docstring
+    from shoal.data import row_group_warning
+    from shoal.worker.batching import global_batch_size
+
+    w = loaded.workload
+    return row_group_warning(loaded.data, w.data.batch_size, global_batch_size(w), w.data.shuffle_buffer)
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -1,4 +1,5 @@
-"""`shoal data`: prepare a built-in corpus, or tokenize and pack a workload's raw text."""
+"""`shoal data`: prepare a built-in corpus, tokenize and pack a workload's raw text, or
+rewrite parquet into row groups the epoch plan can split finely."""
 
 from __future__ import annotations
 
@@ -22,16 +23,47 @@ def add_parser(commands: Any, shared: SharedOptions) -> None:
     prepare.add_argument("--force", action="store_true", help="prepare again even if present")
     pack = data_commands.add_parser(
         "pack",
-        help="tokenize and pack a workload's raw text into the data cache a run reads",
+        help="tokenize and pack a workload's raw text into the data cache a run reads (FILE); "
+        "or rewrite parquet SRC into DST with smaller row groups (SRC DST --rows-per-group N)",
         parents=[shared.overrides],
     )
-    pack.add_argument("file", help="workload YAML whose data section names raw text")
+    pack.add_argument("file", help="workload YAML whose data section names raw text, or parquet SRC")
+    pack.add_argument("dst", nargs="?", help="with SRC: a new or empty directory (or s3:// prefix)")
+    pack.add_argument("--rows-per-group", type=int, help="with SRC DST: rows per parquet row group")
+    pack.add_argument("--address", help="Ray cluster for SRC DST (default: $RAY_ADDRESS, else a local one)")
 
 
 def cmd_data(console: Console, args: argparse.Namespace) -> int:
+    if args.data_command == "pack" and (args.dst or args.rows_per_group is not None):
+        return cmd_data_regroup(console, args)
     if args.data_command == "pack":
         return cmd_data_pack(console, args)
     return cmd_data_prepare(console, args)
+
+
+def cmd_data_regroup(console: Console, args: argparse.Namespace) -> int:
+    """`shoal data pack SRC DST --rows-per-group N`."""
+    if not args.dst or args.rows_per_group is None:
+        raise ShoalError("shoal data pack SRC DST --rows-per-group N: give both SRC and DST, and N")
+    if args.overrides:
+        raise ShoalError("--set goes with a workload FILE, not with SRC DST")
+    # deferred: the data layer imports pyarrow and torch, and launch/ Ray (seconds)
+    from shoal.data.regroup import check_target, regroup_parquet
+    from shoal.data.sources import parquet_files
+    from shoal.launch.cluster import ray_session
+
+    parquet_files(args.file, "SRC")  # refused before Ray starts
+    check_target(args.dst)
+    with ray_session(args.address, cpus_wanted=0):
+        manifest = regroup_parquet(args.file, args.dst, args.rows_per_group)
+    sizes = sorted(g.rows for g in manifest.row_groups)
+    console.print(f"[green]packed[/] {args.dst}", soft_wrap=True)
+    console.print(
+        f"  {manifest.total_rows:,} rows in {len(manifest.files)} file(s), {len(sizes)} row groups "
+        f"of {sizes[0]:,}-{sizes[-1]:,} rows; digest {manifest.digest[:12]}",
+        soft_wrap=True,
+    )
+    return 0
 
 
 def cmd_data_prepare(console: Console, args: argparse.Namespace) -> int:

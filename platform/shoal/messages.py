@@ -105,10 +105,25 @@ class GpuReading(StrEnum):
     TEMPERATURE_C = "temperature_c"
 
 
+class DataCount(StrEnum):
+    """What a rank read, decoded and trained in one epoch, logged at the epoch's last step as
+    `data/<rank>/<count>` and, summed over the ranks, as `data/<count>`."""
+
+    BYTES_READ = "bytes_read"  # as the store served them, parquet footers included
+    ROWS_DECODED = "rows_decoded"  # rows of the row groups read
+    ROWS_TRAINED = "rows_trained"
+
+
 VAL_PREFIX = "val/"
 WORKER_PREFIX = "worker/"
 GPU_PREFIX = "gpu/"
-PER_RANK_PREFIXES = (WORKER_PREFIX, GPU_PREFIX)
+DATA_PREFIX = "data/"
+
+
+def is_per_rank(name: str) -> bool:
+    """A metric one rank logs about itself (`worker/3/busy_s`, `gpu/0/power_w`, `data/1/bytes_read`)."""
+    prefix, _, rest = name.partition("/")
+    return f"{prefix}/" in (WORKER_PREFIX, GPU_PREFIX, DATA_PREFIX) and rest.split("/", 1)[0].isdigit()
 
 
 def worker_metric(rank: int, value: WorkerValue) -> str:
@@ -117,6 +132,11 @@ def worker_metric(rank: int, value: WorkerValue) -> str:
 
 def gpu_metric(rank: int, reading: GpuReading) -> str:
     return f"{GPU_PREFIX}{rank}/{reading}"
+
+
+def data_metric(count: DataCount, rank: int | None = None) -> str:
+    """`data/<rank>/<count>` for one rank's count, `data/<count>` for the sum over the ranks."""
+    return f"{DATA_PREFIX}{count}" if rank is None else f"{DATA_PREFIX}{rank}/{count}"
 
 
 def eval_metrics(values: Mapping[str, Any]) -> dict[str, float]:

@@ -10,9 +10,14 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import torch
 from mlflow.tracking import MlflowClient
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from shoal.data.epoch_plan import EpochPlan, plan_for
+from shoal.data.manifest import build_manifest
 
 
 def wait_for(predicate, timeout_s: float, what: str) -> None:
@@ -72,8 +77,8 @@ def assert_bitwise_equal(a: dict, b: dict, path: str = "") -> None:
             assert x == y, f"{path}.{key}"
 
 
-def applied_samples(run_dir: Path) -> tuple[dict[int, Counter], list[int]]:
-    """Sample ids per epoch over the optimizer steps that the final model went through.
+def applied_records(run_dir: Path) -> list[dict]:
+    """The audit records (every rank's) of the optimizer steps the final model went through.
 
     A step replayed after a restart was recorded by two attempts; the later attempt's
     record is the one that counts (the earlier one's update was lost with its process).
@@ -86,11 +91,39 @@ def applied_samples(run_dir: Path) -> tuple[dict[int, Counter], list[int]]:
         current = final_attempt.get(record["step"])
         if current is None or float(record["attempt"]) > float(current):
             final_attempt[record["step"]] = record["attempt"]
+    return [r for r in records if r["attempt"] == final_attempt[r["step"]]]
+
+
+def applied_samples(run_dir: Path) -> tuple[dict[int, Counter], list[int]]:
+    """Sample ids per epoch over the applied optimizer steps, and those steps."""
     per_epoch: dict[int, Counter] = defaultdict(Counter)
-    for record in records:
-        if record["attempt"] == final_attempt[record["step"]]:
-            per_epoch[record["epoch"]].update(record["ids"])
-    return per_epoch, sorted(final_attempt)
+    steps = set()
+    for record in applied_records(run_dir):
+        per_epoch[record["epoch"]].update(record["ids"])
+        steps.add(record["step"])
+    return per_epoch, sorted(steps)
+
+
+def assert_micro_batches_follow_the_plan(
+    run_dir: Path, files: list[str], seed: int, micro: int, global_batch: int, window: int
+) -> int:
+    """Every applied global micro-batch trained exactly the sample ids the epoch plan gives it:
+    those an uninterrupted 1-worker run with this seed trains (data/epoch_plan.py). Returns
+    how many micro-batches were checked."""
+    manifest = build_manifest(files)
+    ids = pa.concat_arrays(
+        [pq.read_table(f.path, columns=["id"]).column("id").combine_chunks() for f in manifest.files]
+    ).to_numpy()
+    plans: dict[int, EpochPlan] = {}
+    checked = 0
+    for record in applied_records(run_dir):
+        epoch = record["epoch"]
+        plan = plans.setdefault(epoch, plan_for(manifest, seed, epoch, micro, global_batch, window))
+        for index, trained in record["micro"].items():
+            expected = ids[plan.micro_batch_rows(int(index))].tolist()
+            assert trained == expected, f"epoch {epoch} micro-batch {index}: {trained} != plan {expected}"
+            checked += 1
+    return checked
 
 
 def assert_exactly_once(run_dir: Path, steps: int, global_batch: int, rows: int) -> None:

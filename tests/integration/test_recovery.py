@@ -16,6 +16,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from shoal.data import prepare
+from shoal.data.sources import parquet_files
 from shoal.worker.checkpoint import format as checkpoint_format
 from tests.conftest import quickstart
 from tests.integration.conftest import run_in_thread, run_workload
@@ -23,6 +24,7 @@ from tests.integration.helpers import (
     applied_samples,
     assert_bitwise_equal,
     assert_exactly_once,
+    assert_micro_batches_follow_the_plan,
     events,
     full_state,
     loss_steps,
@@ -32,6 +34,10 @@ from tests.integration.helpers import (
 )
 
 DIGITS_TRAIN_ROWS, GLOBAL_BATCH = 1438, 128
+
+
+def digits_train() -> list[str]:
+    return parquet_files(str(prepare("digits") / "train"), "digits")
 
 
 @pytest.fixture(autouse=True)
@@ -75,8 +81,10 @@ def test_sigkilled_worker_resumes_bitwise_and_exactly_once(
         full_state(workdir / "shoal_runs" / "reference" / final, workdir),
         full_state(run_dir / final, workdir),
     )
-    # Every sample of every epoch in exactly one applied step, replayed steps counted once.
+    # Every sample of every epoch in exactly one applied step, replayed steps counted once,
+    # and each global micro-batch the plan's: what an uninterrupted 1-worker run trains.
     assert_exactly_once(run_dir, 60, GLOBAL_BATCH, DIGITS_TRAIN_ROWS)
+    assert assert_micro_batches_follow_the_plan(run_dir, digits_train(), 0, 64, GLOBAL_BATCH, 8192) == 60 * 2
 
     client = MlflowClient(result.tracking_uri)
     assert loss_steps(client, result.run_id) == list(range(1, 61))
@@ -109,7 +117,7 @@ def poisoned_digits(workdir: Path, bad_ids: list[int]) -> dict:
     target = workdir / "poisoned"
     target.mkdir()
     poisoned = table.set_column(table.schema.get_field_index("x"), "x", [x])
-    pq.write_table(poisoned.cast(table.schema), target / "train.parquet")
+    pq.write_table(poisoned.cast(table.schema), target / "train.parquet", row_group_size=32)
     return {"train": {"path": str(target)}, "val": {"path": str(source / "val")}, "batch_size": 64}
 
 
@@ -133,6 +141,11 @@ def test_non_finite_loss_policies(workdir: Path, policy: str) -> None:
     per_epoch, applied = applied_samples(workdir / "shoal_runs" / policy)
     steps_per_epoch = DIGITS_TRAIN_ROWS // GLOBAL_BATCH
     assert len(applied) == 2 * steps_per_epoch - len(hits)
+    poisoned = [str(workdir / "poisoned" / "train.parquet")]
+    checked = assert_micro_batches_follow_the_plan(
+        workdir / "shoal_runs" / policy, poisoned, 0, 64, GLOBAL_BATCH, 8192
+    )
+    assert checked == 2 * len(applied)
     for epoch, seen in per_epoch.items():
         left_out = {e["step_in_epoch"] for e in hits if e["epoch"] == epoch}
         # every whole step of the epoch was either applied or left out for its non-finite loss

@@ -1,8 +1,9 @@
-"""Checkpoints in object storage: an S3-compatible server (moto) on loopback.
+"""Object storage: an S3-compatible server (moto) on loopback.
 
 A run writes its checkpoints to s3://shoal-test/runs; the latest one is then
 corrupted in the bucket, and resuming the run passes over it for the one before,
-with the rejection in MLflow's events.
+with the rejection in MLflow's events. Another run trains on data in a bucket:
+each rank reads its own share of it, counted in bytes served.
 """
 
 from __future__ import annotations
@@ -15,12 +16,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 import pytest
+import yaml
 from mlflow.tracking import MlflowClient
 
+from shoal.data import prepare
+from shoal.data.sources import parquet_files
 from shoal.launch.storage import open_storage
 from tests.conftest import WORKLOADS
-from tests.integration.helpers import events, loss_steps, shoal_cli
+from tests.integration.helpers import assert_exactly_once, events, loss_steps, shoal_cli
 
 CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -110,3 +115,60 @@ def test_s3_checkpoints_and_fallback_from_a_corrupt_one(workdir: Path, s3_endpoi
     assert starts[-1]["restored_step"] == 40 and starts[-1]["restored_from"].endswith("checkpoint-00000040")
     assert loss_steps(client, run.info.run_id) == list(range(1, 101))
     assert "checkpoint-00000100" in storage.checkpoints("s3job")
+
+
+def test_s3_training_data_is_read_once_per_epoch_by_each_rank_for_its_share(
+    workdir: Path, s3_endpoint: str
+) -> None:
+    """The digits training set in a bucket (row groups of 16 rows), 2 workers, 30 steps of 128
+    rows (11 a epoch: almost 3 epochs): every epoch's samples once each, and each rank's bytes
+    from the bucket at most 1.10 x its share (summed: 1.10 x the data)."""
+    host = s3_endpoint.split("://")[1]
+    bucket = pafs.S3FileSystem(endpoint_override=host, scheme="http", allow_bucket_creation=True)
+    bucket.create_dir("shoal-data")
+    digits = prepare("digits")
+    table = pq.read_table(parquet_files(str(digits / "train"), "digits"))
+    pq.write_table(table, "shoal-data/digits/train/part-0.parquet", filesystem=bucket, row_group_size=16)
+    pq.write_table(
+        pq.read_table(parquet_files(str(digits / "val"), "digits")),
+        "shoal-data/digits/val/v.parquet",
+        filesystem=bucket,
+    )
+    size = bucket.get_file_info("shoal-data/digits/train/part-0.parquet").size
+    workload = yaml.safe_load((WORKLOADS / "quickstart.yaml").read_text())
+    workload["data"] = {
+        "train": {"path": "s3://shoal-data/digits/train/"},
+        "val": {"path": "s3://shoal-data/digits/val/"},
+        "batch_size": 64,
+    }
+    path = workdir / "s3data.yaml"
+    path.write_text(yaml.safe_dump(workload))
+    proc = shoal_cli(
+        [
+            "run",
+            str(path),
+            "--run-name",
+            "s3data",
+            "--set",
+            "train.max_steps=30",
+            "--set",
+            "train.eval_every=1000",
+        ],
+        workdir,
+        **CREDENTIALS,
+        AWS_ENDPOINT_URL=s3_endpoint,
+        SHOAL_AUDIT_SAMPLES="1",
+    )
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    assert_exactly_once(workdir / "shoal_runs" / "s3data", steps=30, global_batch=128, rows=table.num_rows)
+    client = MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("quickstart").experiment_id])
+    for rank in (0, 1):
+        per_epoch = client.get_metric_history(run.info.run_id, f"data/{rank}/bytes_read")
+        assert [m.step for m in per_epoch] == [11, 22]  # the two whole epochs' last steps
+        assert all(0 < m.value <= 1.10 * size / 2 for m in per_epoch)
+    summed = client.get_metric_history(run.info.run_id, "data/bytes_read")
+    assert all(m.value <= 1.10 * size for m in summed)
+    trained = client.get_metric_history(run.info.run_id, "data/rows_trained")
+    assert [m.value for m in trained] == [11 * 128, 11 * 128]

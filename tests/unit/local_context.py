@@ -1,8 +1,10 @@
 """An in-process `TrainContext`: the real Trainer, Engine and checkpoints, no Ray.
 
-Datasets are tensors in memory; `report` commits a checkpoint the way Ray Train
-does (every rank's files copied into one directory in storage, then it is the
-latest) and keeps every report for the test to read.
+The training set is written to parquet (`parquet_manifest`) and read by the worker's
+own reader, as in a run; a validation set is tensors in memory, standing in for Ray
+Data's split. `report` commits a checkpoint the way Ray Train does (every rank's files
+copied into one directory in storage, then it is the latest) and keeps every report
+for the test to read.
 """
 
 from __future__ import annotations
@@ -14,9 +16,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
+
+from shoal.data.manifest import build_manifest
+
+
+def parquet_manifest(directory: Path, columns: dict[str, torch.Tensor], rows_per_group: int = 16) -> str:
+    """Write tensors (one row per first-dimension index) to a parquet file in `directory`, and
+    return its manifest as the JSON a WorkerConfig carries."""
+    directory.mkdir(parents=True, exist_ok=True)
+    arrays = {}
+    for name, tensor in columns.items():
+        values = tensor.numpy()
+        array = pa.array(values.reshape(-1))
+        for size in reversed(values.shape[1:]):
+            array = pa.FixedSizeListArray.from_arrays(array, size)
+        arrays[name] = array
+    path = directory / "train.parquet"
+    pq.write_table(pa.table(arrays), path, row_group_size=rows_per_group)
+    return build_manifest([str(path)]).to_json()
 
 
 class InMemoryShard:

@@ -37,7 +37,7 @@ def _custom_rank(rank: int, port: int, tmp_path: Path, spec: dict) -> None:
     from shoal.spec.schema import Workload
     from shoal.worker.config import WorkerConfig
     from shoal.worker.loop import Trainer
-    from tests.unit.local_context import InMemoryShard, LocalContext
+    from tests.unit.local_context import LocalContext, parquet_manifest
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     sys.path.insert(0, str(tmp_path))
@@ -45,10 +45,11 @@ def _custom_rank(rank: int, port: int, tmp_path: Path, spec: dict) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2)
     generator = torch.Generator().manual_seed(0)
     rows = {"f": torch.randn(64, 4, generator=generator), "t": torch.randn(64, generator=generator)}
-    context = LocalContext(
-        tmp_path / "storage", {"train": InMemoryShard({**rows, "id": torch.arange(64)})}, rank, 2
+    context = LocalContext(tmp_path / "storage", {}, rank, 2)
+    manifest = parquet_manifest(tmp_path / f"data-{rank}", {**rows, "id": torch.arange(64)})
+    config = WorkerConfig(
+        Workload.model_validate(spec), "custom", False, str(tmp_path / "run"), 1e9, 1, manifest
     )
-    config = WorkerConfig(Workload.model_validate(spec), "custom", False, str(tmp_path / "run"), 1e9, 1)
     Trainer(config, context).run()
     outcome = {"steps": context.step_records(), "fatal": context.events("fatal")}
     (tmp_path / f"rank{rank}.json").write_text(json.dumps(outcome))
@@ -84,8 +85,9 @@ def test_model_metrics_are_averaged_over_ranks_and_logged_as_train_metrics(tmp_p
     ranks = _two_rank_run(tmp_path, odd_rank_metric=False)
     for outcome in ranks:
         steps = outcome["steps"]
-        # Step s trains rows 16(s-1)..16s-1 in order, 8 on each rank: the mean id over both ranks.
-        assert [record["train/id_mean"] for record in steps] == [7.5, 23.5, 39.5]
+        # Two lanes of 32 rows, read in order: step s (from 0) trains rows 8s..8s+7 on rank 0 and
+        # 32+8s..32+8s+7 on rank 1; the logged value is the mean id over both ranks.
+        assert [record["train/id_mean"] for record in steps] == [19.5, 27.5, 35.5]
         assert all(math.isfinite(record["train/loss"]) for record in steps)
 
 
@@ -128,7 +130,7 @@ def test_evaluation_logs_the_models_metrics_as_val_metrics(
     from shoal.spec.schema import Workload
     from shoal.worker.config import WorkerConfig
     from shoal.worker.loop import Trainer
-    from tests.unit.local_context import InMemoryShard, LocalContext
+    from tests.unit.local_context import InMemoryShard, LocalContext, parquet_manifest
 
     (tmp_path / "id_net_eval.py").write_text(ID_MODEL)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -145,8 +147,11 @@ def test_evaluation_logs_the_models_metrics_as_val_metrics(
     rows = {"f": torch.randn(32, 4), "t": torch.randn(32), "id": torch.arange(32)}
     val = {"f": torch.randn(16, 4), "t": torch.randn(16), "id": torch.arange(100, 116)}
     (tmp_path / "storage").mkdir()
-    context = LocalContext(tmp_path / "storage", {"train": InMemoryShard(rows), "val": InMemoryShard(val)})
-    config = WorkerConfig(Workload.model_validate(spec), "custom", True, str(tmp_path / "run"), 1e9, 1)
+    context = LocalContext(tmp_path / "storage", {"val": InMemoryShard(val)})
+    manifest = parquet_manifest(tmp_path / "data", rows)
+    config = WorkerConfig(
+        Workload.model_validate(spec), "custom", True, str(tmp_path / "run"), 1e9, 1, manifest
+    )
     Trainer(config, context).run()
     (evaluation,) = context.events("eval")
     assert evaluation["val/id_mean"] == pytest.approx(107.5)  # the mean id over the whole val set

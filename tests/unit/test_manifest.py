@@ -280,11 +280,11 @@ def test_files_that_cannot_be_read_are_named(tmp_path: Path) -> None:
 def test_resume_on_changed_data_is_refused_with_the_way_to_accept_it(tmp_path: Path) -> None:
     manifest = build_manifest(write_dataset(tmp_path / "data"))
     recorded = "ab12cd34ef56" + "0" * 52
-    check_resume(manifest.digest, manifest, accept_changed=False)
-    check_resume(recorded, manifest, accept_changed=True)
+    check_resume(manifest.digest, manifest.digest, accept_changed=False)
+    check_resume(recorded, manifest.digest, accept_changed=True)
 
     with pytest.raises(DataChangedError) as refused:
-        check_resume(recorded, manifest, accept_changed=False)
+        check_resume(recorded, manifest.digest, accept_changed=False)
     error = refused.value
     assert isinstance(error, ShoalError) and error.exit_code == 2
     assert error.where == "data.train.path"
@@ -297,24 +297,30 @@ def synthetic(groups: int, rows: int) -> Manifest:
     return Manifest.from_groups([ManifestFile("/d/a.parquet", 1, "")], [[(rows, rows * 10)] * groups])
 
 
-def test_one_big_row_group_is_too_coarse_for_four_workers(tmp_path: Path) -> None:
+def test_one_big_row_group_is_too_coarse(tmp_path: Path) -> None:
     (path,) = write_dataset(tmp_path / "data", file_rows=(2000,), group_rows=2000)
     manifest = build_manifest([path])
     assert len(manifest.row_groups) == 1
-    warning = coarse_row_groups(manifest, micro_batch_rows=8, dp=4)
+    warning = coarse_row_groups(manifest, micro_batch_rows=8, global_batch=32, window_rows=8192)
     assert warning is not None and "\n" not in warning
-    assert "1 row groups (want >= 16)" in warning
-    assert coarse_row_groups(manifest, micro_batch_rows=8, dp=1) is not None  # 1 < 4 groups per slot
+    # 62 whole global batches: 4 lanes of 496 rows, 20 row groups of 24 rows each would do
+    assert "median 2000 rows per row group (want <= 24" in warning
+    assert warning.endswith("shoal data pack SRC DST --rows-per-group 24")
 
 
 def test_fine_row_groups_get_no_warning(tmp_path: Path) -> None:
-    manifest = build_manifest(write_dataset(tmp_path / "data", file_rows=(640, 640), group_rows=40))
-    assert len(manifest.row_groups) == 32
-    assert coarse_row_groups(manifest, micro_batch_rows=8, dp=4) is None
-    assert coarse_row_groups(synthetic(16, 512), micro_batch_rows=8, dp=4) is None  # both at their limit
+    manifest = build_manifest(write_dataset(tmp_path / "data", file_rows=(640, 640), group_rows=16))
+    assert len(manifest.row_groups) == 80
+    assert coarse_row_groups(manifest, micro_batch_rows=8, global_batch=32, window_rows=8192) is None
 
 
 def test_coarse_rule_limits() -> None:
-    assert "15 row groups (want >= 16)" in (coarse_row_groups(synthetic(15, 100), 8, dp=4) or "")
-    assert "median 513 rows (want <= 512)" in (coarse_row_groups(synthetic(100, 513), 8, dp=4) or "")
-    assert coarse_row_groups(synthetic(0, 0), 8, dp=4) is None
+    # 2,000 rows, global batch 32 (4 lanes of 496 rows): at most 24 rows per group
+    assert coarse_row_groups(synthetic(80, 25), 8, 32, window_rows=8192) is not None
+    assert coarse_row_groups(synthetic(100, 20), 8, 32, window_rows=8192) is None
+    assert coarse_row_groups(synthetic(250, 8), 8, 32, window_rows=8192) is None
+    # a shuffle window of 30 rows wants row groups of at most 15
+    assert "want <= 15" in (coarse_row_groups(synthetic(100, 20), 8, 32, window_rows=30) or "")
+    assert coarse_row_groups(synthetic(100, 20), 8, 32, window_rows=0) is None  # no shuffle: reading only
+    assert coarse_row_groups(synthetic(0, 0), 8, 32, window_rows=8192) is None
+    assert coarse_row_groups(synthetic(1, 20), 8, 32, window_rows=8192) is None  # not one global batch

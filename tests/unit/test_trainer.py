@@ -20,7 +20,7 @@ from shoal.spec.schema import Workload
 from shoal.worker.checkpoint import format as checkpoint_format
 from shoal.worker.config import WorkerConfig
 from shoal.worker.loop import Trainer
-from tests.unit.local_context import InMemoryShard, LocalContext
+from tests.unit.local_context import LocalContext, parquet_manifest
 from tests.unit.parallel_harness import free_port
 
 MICRO = 8
@@ -63,7 +63,7 @@ def trainer(
     latest: str | None = None,
 ) -> tuple[Trainer, LocalContext]:
     (tmp_path / "storage").mkdir(parents=True, exist_ok=True)
-    context = LocalContext(tmp_path / "storage", {"train": InMemoryShard(data)}, latest=latest)
+    context = LocalContext(tmp_path / "storage", {}, latest=latest)
     config = WorkerConfig(
         workload=w,
         task="classify",
@@ -71,6 +71,7 @@ def trainer(
         run_dir=str(tmp_path / "run"),
         report_interval_s=report_interval_s,
         threads_per_worker=1,
+        train_manifest=parquet_manifest(tmp_path / "data", data),
         audit_samples=audit,
     )
     return Trainer(config, context), context
@@ -158,15 +159,19 @@ def _two_rank_attempt(rank: int, port: int, tmp_path: Path, spec: dict[str, Any]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    context = LocalContext(tmp_path / "storage", {"train": InMemoryShard(rows(160))}, rank, 2)
-    config = WorkerConfig(Workload.model_validate(spec), "classify", False, str(tmp_path / "run"), 1e9, 1)
+    context = LocalContext(tmp_path / "storage", {}, rank, 2)
+    manifest = parquet_manifest(tmp_path / f"data-{rank}", rows(160))
+    config = WorkerConfig(
+        Workload.model_validate(spec), "classify", False, str(tmp_path / "run"), 1e9, 1, manifest
+    )
     Trainer(replace(config, audit_samples=True), context).run()
     dist.destroy_process_group()
 
 
 def test_a_resize_keeps_the_global_batch_and_the_data_position(tmp_path: Path) -> None:
     """2 ranks train 3 steps of 16 rows (1 micro-batch each per step) and checkpoint; 1 rank
-    resumes with 2 micro-batches per step: every row is trained once, in order."""
+    resumes with 2 micro-batches per step: every row is trained once, those of the plan's
+    first 12 micro-batches (two lanes of 80 rows, read in order: rows 0-47 and 80-127)."""
     w = workload(train={"max_steps": 3}, scaling={"workers": {"min": 1, "max": 2}})
     (tmp_path / "storage").mkdir()
     mp.start_processes(
@@ -193,13 +198,48 @@ def test_a_resize_keeps_the_global_batch_and_the_data_position(tmp_path: Path) -
         for line in audit.read_text().splitlines()
         for i in json.loads(line)["ids"]
     )
-    assert trained == list(range(6 * 2 * MICRO))  # every row exactly once across both attempts
+    assert trained == [*range(48), *range(80, 128)]  # every row exactly once across both attempts
 
 
 def test_a_checkpoint_with_another_global_batch_is_refused(tmp_path: Path) -> None:
     first, _ = trainer(tmp_path, workload(train={"max_steps": 2}), rows(64))
     first.run()
     other = workload(train={"max_steps": 4, "global_batch_size": 2 * MICRO})
-    second, _ = trainer(tmp_path, other, rows(64), latest=str(tmp_path / "storage" / "checkpoint-00000002"))
-    with pytest.raises(ValueError, match="global batch of 8 rows, this workload asks for 16"):
-        second.run()
+    second, context = trainer(
+        tmp_path, other, rows(64), latest=str(tmp_path / "storage" / "checkpoint-00000002")
+    )
+    second.run()  # one fatal report, no exception: a restart could not help
+    (fatal,) = context.events("fatal")
+    assert "global batch of 8 rows, this workload asks for 16" in fatal["reason"]
+    assert second.position.step == 0 and context.reports[-1].metrics["fatal"] == fatal["reason"]
+
+
+def test_a_checkpoint_of_other_data_is_refused_unless_accepted(tmp_path: Path) -> None:
+    first, _ = trainer(tmp_path, workload(train={"max_steps": 2}), rows(64))
+    first.run()
+    latest = str(tmp_path / "storage" / "checkpoint-00000002")
+    changed, context = trainer(tmp_path, workload(train={"max_steps": 4}), rows(72), latest=latest)
+    changed.run()
+    (fatal,) = context.events("fatal")
+    assert fatal["reason"].startswith("data.train.path: the data changed since the checkpoint was written")
+    assert "data.accept_changed_data: true" in fatal["reason"] and changed.position.step == 0
+    accepting = workload(train={"max_steps": 4}, data={"accept_changed_data": True})
+    accepted, context = trainer(tmp_path, accepting, rows(72), latest=latest)
+    accepted.run()
+    assert not context.events("fatal") and accepted.position.step == 4
+
+
+def test_the_last_step_of_each_epoch_logs_what_every_rank_read(tmp_path: Path) -> None:
+    """40 rows, global batches of 8: 5 steps an epoch; 12 steps end two epochs (steps 5, 10)."""
+    t, context = trainer(tmp_path, workload(train={"max_steps": 12}), rows(40))
+    t.run()
+    logged = {int(r["step"]): r for r in context.step_records() if "data/bytes_read" in r}
+    assert sorted(logged) == [5, 10]
+    for values in logged.values():
+        assert values["data/rows_trained"] == values["data/0/rows_trained"] == 40
+        assert values["data/rows_decoded"] == 40
+        assert 0 < values["data/0/bytes_read"] == values["data/bytes_read"] < 1.1 * data_bytes(tmp_path)
+
+
+def data_bytes(tmp_path: Path) -> int:
+    return sum(p.stat().st_size for p in (tmp_path / "data").glob("*.parquet"))

@@ -2,7 +2,7 @@
 
 from shoal.data.builtin import BUILTINS, cache_dir, prepare
 from shoal.data.errors import DataError
-from shoal.data.sources import DataPlan, build_datasets, plan_data
+from shoal.data.sources import DataPlan, build_datasets, plan_data, row_group_warning, training_manifest
 from shoal.data.text import PackProgress, TextPlan, keep_run_tokenizer, plan_text
 from shoal.data.tokenizers import TextTokenizer, load_saved
 
@@ -20,4 +20,6 @@ __all__ = [
     "plan_data",
     "plan_text",
     "prepare",
+    "row_group_warning",
+    "training_manifest",
 ]

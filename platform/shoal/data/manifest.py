@@ -32,8 +32,7 @@ from shoal.data.errors import DataError
 
 FORMAT = 1  # of the digested content and the cached JSON; bump when either changes
 ACCEPT_SETTING = "data.accept_changed_data"
-GROUPS_PER_SLOT = 4  # row groups each data-parallel slot should have to itself
-WINDOW_MICRO_BATCHES = 64  # micro-batches one rank holds decoded at once (see coarse_row_groups)
+GROUPS_PER_LANE = 20  # row groups to each lane of the epoch plan (see coarse_row_groups)
 
 
 @dataclass(frozen=True)
@@ -163,18 +162,17 @@ def load_or_build_manifest(
 
 
 def check_resume(
-    recorded_digest: str, manifest: Manifest, accept_changed: bool, *, where: str = "data.train.path"
+    recorded_digest: str, current_digest: str, accept_changed: bool, *, where: str = "data.train.path"
 ) -> None:
     """Refuse to resume when the checkpoint recorded another digest than the data's now, unless
     the user accepted changed data; `where` names the setting the data came from."""
-    if recorded_digest == manifest.digest or accept_changed:
+    if recorded_digest == current_digest or accept_changed:
         return
     raise DataChangedError(
         where,
         f"the data changed since the checkpoint was written: its manifest digest is "
-        f"{manifest.digest[:12]} ({len(manifest.files)} files, {manifest.total_rows} rows), the "
-        f"checkpoint recorded {recorded_digest[:12]}; to resume on the changed data deliberately, "
-        f"set {ACCEPT_SETTING}: true",
+        f"{current_digest[:12]}, the checkpoint recorded {recorded_digest[:12]}; to resume on the "
+        f"changed data deliberately, set {ACCEPT_SETTING}: true",
     )
 
 
@@ -182,31 +180,38 @@ class DataChangedError(DataError):
     """Resuming on data whose manifest digest differs from the one the checkpoint recorded."""
 
 
-def coarse_row_groups(manifest: Manifest, micro_batch_rows: int, dp: int) -> str | None:
-    """A one-line warning when the row groups are too coarse for `dp` data-parallel slots
-    training micro-batches of `micro_batch_rows` rows; None when they are fine.
+def coarse_row_groups(
+    manifest: Manifest, micro_batch_rows: int, global_batch: int, window_rows: int
+) -> str | None:
+    """A one-line warning when the row groups are too coarse for the epoch plan
+    (data/epoch_plan.py) of this global batch; None when they are fine.
 
     A rank reads whole row groups, so row groups are the grain of everything a rank does.
     The rule has two parts:
-    - count: fewer than GROUPS_PER_SLOT (4) row groups per slot means slots cannot each read
-      their own groups: several ranks read, and mostly discard, the same ones;
-    - size: a median row group of more than WINDOW_MICRO_BATCHES (64) micro-batches means a
-      rank cannot hold even two groups decoded at once to mix rows across them, and a resume
-      decodes, on average, half a large group it then throws away.
-    An empty dataset gets None: that is for the checks that refuse it.
+    - reading: the plan cuts the data into global_batch / micro lanes, and a rank reads its
+      lanes' row groups plus at most one at each end of a lane. With fewer than
+      GROUPS_PER_LANE (20) row groups to a lane, those ends are more than 10 % of its reading;
+    - mixing: a row group of more than half a shuffle window (`data.shuffle_buffer`) leaves
+      the window little else to mix its rows with.
+    An empty dataset, or one without a whole global batch, gets None: that is for the checks
+    that refuse it.
     """
     sizes = [g.rows for g in manifest.row_groups if g.rows]
-    if not sizes:
+    lanes = global_batch // micro_batch_rows
+    lane_rows = manifest.total_rows // global_batch * micro_batch_rows
+    if not sizes or not lane_rows:
         return None
-    window = WINDOW_MICRO_BATCHES * micro_batch_rows
     median = statistics.median_low(sizes)
-    if len(sizes) >= GROUPS_PER_SLOT * dp and median <= window:
+    most = lane_rows // GROUPS_PER_LANE
+    if window_rows:
+        most = min(most, max(1, window_rows // 2))
+    if median <= most:
         return None
-    suggested = max(1, min(window, manifest.total_rows // (GROUPS_PER_SLOT * dp)))
     return (
-        f"the data's row groups are too coarse for {dp} data-parallel slot(s) of {micro_batch_rows}-row "
-        f"micro-batches: {len(sizes)} row groups (want >= {GROUPS_PER_SLOT * dp}), median {median} rows "
-        f"(want <= {window}); rewrite the parquet with about {suggested} rows per row group"
+        f"the data's row groups are too coarse for global batches of {global_batch} rows "
+        f"({lanes} lane(s) of {lane_rows} rows): median {median} rows per row group (want <= {most}, "
+        f"so that a worker reads at most 10 % beyond its share and each shuffle window mixes rows "
+        f"of several row groups); rewrite it with shoal data pack SRC DST --rows-per-group {most}"
     )
 
 

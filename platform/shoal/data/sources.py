@@ -16,10 +16,12 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from shoal.data.builtin import prepare
+from shoal.data.builtin import cache_root, prepare
 from shoal.data.errors import DataError
+from shoal.data.manifest import Manifest, coarse_row_groups, load_or_build_manifest
 from shoal.data.text import PackProgress, TextPlan, plan_text
 
 TASK_COLUMNS = {"classify": ("x", "y"), "lm": ("tokens",)}  # without data.columns
@@ -43,7 +45,7 @@ def _is_remote(path: str) -> bool:
 def parquet_files(path: str, where: str) -> list[str]:
     """The parquet files a source names (remote URIs unexpanded), or a DataError."""
     if _is_remote(path):
-        return [path]
+        return _remote_parquet_files(path, where)
     local = path.removeprefix("file://")
     if any(ch in local for ch in "*?["):
         files = sorted(glob.glob(local, recursive=True))
@@ -56,6 +58,28 @@ def parquet_files(path: str, where: str) -> list[str]:
     if not files:
         raise DataError(where, f"no parquet files found at '{path}'")
     return [str(Path(f).resolve()) for f in files]
+
+
+def _remote_parquet_files(uri: str, where: str) -> list[str]:
+    """An object-store URI's parquet files: the object itself, or every `.parquet` under the
+    prefix (credentials and endpoint from the usual AWS_* variables, AWS_ENDPOINT_URL included)."""
+    scheme = uri.split("://", 1)[0]
+    try:
+        filesystem, within = pafs.FileSystem.from_uri(uri)
+        info = filesystem.get_file_info(within)
+        if info.type == pafs.FileType.File:
+            return [uri]
+        if info.type == pafs.FileType.NotFound:
+            raise DataError(where, f"no such object or prefix: '{uri}'")
+        listed = filesystem.get_file_info(pafs.FileSelector(within, recursive=True))
+    except (OSError, pa.ArrowException) as exc:
+        raise DataError(where, f"cannot list '{uri}': {exc}") from None
+    files = sorted(
+        f"{scheme}://{i.path}" for i in listed if i.type == pafs.FileType.File and i.path.endswith(".parquet")
+    )
+    if not files:
+        raise DataError(where, f"no parquet files found at '{uri}'")
+    return files
 
 
 def window_length(data_seq_len: int | None, model_args: dict[str, Any]) -> int | None:
@@ -167,20 +191,29 @@ def plan_data(
     return DataPlan(train, val, task, cache=bool(cache), text=text)
 
 
-def build_datasets(plan: DataPlan) -> dict[str, Any]:
-    """Ray datasets for the trainer; small ones are cached in the object store.
+def training_manifest(plan: DataPlan) -> Manifest:
+    """The training files' manifest (data/manifest.py), from the cache when they are unchanged."""
+    return load_or_build_manifest(plan.train, cache_root() / "manifests")
 
-    Caching matters: without it every epoch restarts Ray Data's executor and
-    re-reads the files (1-2 s an epoch here, longer than an epoch of digits).
-    """
+
+def row_group_warning(plan: DataPlan, micro: int, global_batch: int, window_rows: int) -> str | None:
+    """The coarse-row-group warning (data/manifest.py) for a planned training set; None for a
+    fine one, or when its files are not there yet (a built-in corpus or raw text unprepared)."""
+    if not plan.train:
+        return None
+    return coarse_row_groups(training_manifest(plan), micro, global_batch, window_rows)
+
+
+def build_datasets(plan: DataPlan) -> dict[str, Any]:
+    """Ray datasets for the trainer: the validation set only (every worker reads its own share
+    of the training set itself, worker/stream.py); a small one is cached in the object store,
+    so that each evaluation does not read the files again."""
+    if not plan.val:
+        return {}
     import ray.data  # lazy: about a second to import; `shoal validate` plans data without it
 
     context = ray.data.DataContext.get_current()
     context.print_on_execution_start = False
     context.execution_options.preserve_order = True  # the same row order in every run and attempt
-    datasets = {"train": ray.data.read_parquet(plan.train)}
-    if plan.val:
-        datasets["val"] = ray.data.read_parquet(plan.val)
-    if plan.cache:
-        datasets = {name: ds.materialize() for name, ds in datasets.items()}
-    return datasets
+    val = ray.data.read_parquet(plan.val)
+    return {"val": val.materialize() if plan.cache else val}

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
 import yaml
 
-from shoal.data import keep_run_tokenizer
+from shoal.data import keep_run_tokenizer, training_manifest
+from shoal.data.manifest import Manifest, coarse_row_groups
 from shoal.errors import ShoalError
 from shoal.launch.cluster import QUIET_ENV, ClusterError, quiet_ray_logging, ray_session
 from shoal.launch.retention import BestKeeper
@@ -25,6 +25,7 @@ from shoal.spec import LoadedWorkload
 from shoal.tracking import Observer, Recorder, open_run, resolve_uri
 from shoal.tracking.drain import Drainer
 from shoal.tracking.mlflow_run import CWD_TAG, git_commit
+from shoal.worker.batching import global_batch_size
 from shoal.worker.config import WorkerConfig
 
 log = logging.getLogger("shoal")
@@ -121,19 +122,15 @@ def default_run_name(workload_name: str) -> str:
     return f"{workload_name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def count_rows(files: list[str]) -> int | None:
-    if any("://" in f for f in files):
-        return None
-    return sum(pq.ParquetFile(f).metadata.num_rows for f in files)
-
-
 def _threads_per_worker(scaling: Any) -> int:
     if scaling.threads_per_worker:
         return scaling.threads_per_worker
     return max(1, (os.cpu_count() or 1) // scaling.worker_range()[1])
 
 
-def _worker_config(loaded: LoadedWorkload, run_dir: Path, options: RunOptions) -> WorkerConfig:
+def _worker_config(
+    loaded: LoadedWorkload, run_dir: Path, options: RunOptions, manifest: Manifest
+) -> WorkerConfig:
     assert loaded.data is not None
     return WorkerConfig(
         workload=loaded.workload,
@@ -142,7 +139,7 @@ def _worker_config(loaded: LoadedWorkload, run_dir: Path, options: RunOptions) -
         run_dir=str(run_dir),
         report_interval_s=options.report_interval_s,
         threads_per_worker=_threads_per_worker(loaded.workload.scaling),
-        train_rows=count_rows(loaded.data.train),
+        train_manifest=manifest.to_json(),
         sys_path=(os.getcwd(),),
         audit_samples=os.environ.get("SHOAL_AUDIT_SAMPLES") == "1",
         init_from=options.init_from,
@@ -150,14 +147,12 @@ def _worker_config(loaded: LoadedWorkload, run_dir: Path, options: RunOptions) -
 
 
 def data_config() -> Any:
-    """Every worker reads the whole training set in one fixed order (see worker/stream.py:
-    that is what makes data exactly-once across restarts and resizes); val is split."""
+    """Ray Data serves only the validation set, split across the workers; each worker reads its
+    own share of the training set from the manifest (worker/stream.py)."""
     # deferred: Ray loads when a run starts; `shoal submit` and `runs show` import launch/, start none
-    import ray.data
     import ray.train
 
-    ordered = ray.data.ExecutionOptions(preserve_order=True)
-    return ray.train.DataConfig(datasets_to_split=["val"], execution_options={"train": ordered})
+    return ray.train.DataConfig(datasets_to_split=["val"])
 
 
 def _trainer(
@@ -255,6 +250,10 @@ def run(
     probe(storage)
     quiet_ray_logging(run_dir / "logs" / "driver.log", options.verbose)
     loaded = replace(loaded, data=keep_run_tokenizer(loaded.data, run_dir, log.info))  # raw text
+    manifest = training_manifest(loaded.data)
+    micro, global_batch = w.data.batch_size, global_batch_size(w)
+    if coarse := coarse_row_groups(manifest, micro, global_batch, w.data.shuffle_buffer):
+        log.warning("%s", coarse)
     experiment = w.tracking.experiment or w.name
     uri = resolve_uri(w.tracking.uri)
     cpus = w.scaling.worker_range()[1] * w.scaling.cpus_per_worker
@@ -290,7 +289,7 @@ def run(
                 loaded,
                 run_name,
                 storage,
-                _worker_config(loaded, run_dir, options),
+                _worker_config(loaded, run_dir, options, manifest),
                 queue,
                 session.started_here,
             )

@@ -72,7 +72,9 @@ class DataSpec(Section):
     val: DatasetPath | None = None
     batch_size: PositiveInt = 32
     cache: Literal["auto"] | bool = "auto"  # keep in Ray's object store (auto: under 512 MB)
-    shuffle_buffer: int = Field(1024, ge=0)  # rows; 0 reads in order
+    # rows each lane of the epoch plan mixes at a time (data/epoch_plan.py); 0: no shuffle at all
+    shuffle_buffer: int = Field(8192, ge=0)
+    accept_changed_data: bool = False  # resume although the data's manifest digest changed
     columns: dict[str, str] = Field(default_factory=dict)  # data column -> forward argument
     seq_len: PositiveInt | None = None  # language models: tokens per example (windows of seq_len + 1)
     text_column: str = "text"  # raw text (jsonl, parquet): the field that holds the text

@@ -10,7 +10,7 @@ from typing import Any
 from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 
-from shoal.messages import PER_RANK_PREFIXES, EventKind, Metric
+from shoal.messages import EventKind, Metric, is_per_rank
 from shoal.tracking.mlflow_run import (
     RUN_DIR_TAG,
     RUN_NAME_TAG,
@@ -122,5 +122,5 @@ def differing_params(runs: list[Run]) -> list[str]:
 def metric_keys(runs: list[Run]) -> list[str]:
     """The headline metrics first, then every other final metric some run has."""
     present = {k for r in runs for k in r.data.metrics}
-    rest = sorted(k for k in present if k not in HEADLINE and not k.startswith(PER_RANK_PREFIXES))
+    rest = sorted(k for k in present if k not in HEADLINE and not is_per_rank(k))
     return [k for k in HEADLINE if k in present] + rest

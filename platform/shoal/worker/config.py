@@ -15,7 +15,7 @@ class WorkerConfig:
     run_dir: str  # this run's local directory (logs, pid files, audit, compile cache)
     report_interval_s: float
     threads_per_worker: int
-    train_rows: int | None = None  # known for local parquet: what `train.epochs` counts in
+    train_manifest: str = ""  # the training data's manifest, as JSON (data/manifest.py)
     sys_path: tuple[str, ...] = field(default_factory=tuple)  # where user model modules live
     audit_samples: bool = False  # write the sample ids of every step (exactly-once tests)
     init_from: str | None = None  # another run's checkpoint, for a run that has none of its own

@@ -18,6 +18,9 @@ from typing import Any
 
 import torch
 
+from shoal.data.manifest import Manifest
+from shoal.data.reader import ReadCounts
+from shoal.errors import ShoalError
 from shoal.messages import (
     TRAIN_PREFIX,
     EventKind,
@@ -40,8 +43,10 @@ from shoal.worker.metrics import (
     GpuReadings,
     PhaseClock,
     StragglerWatch,
+    data_metrics,
     device_name,
     peak_memory_mb,
+    read_counts_per_rank,
     worker_metrics,
 )
 from shoal.worker.profiling import ProfileWindow
@@ -62,7 +67,9 @@ class Trainer:
         self.micro = workload.data.batch_size
         self.global_batch = global_batch_size(workload)
         self.accum = accumulation_steps(self.global_batch, self.micro, self.world)
-        self.total_steps = planned_steps(workload.train, config.train_rows, self.global_batch)
+        self.manifest = Manifest.from_json(config.train_manifest)
+        self.total_steps = planned_steps(workload.train, self.manifest.total_rows, self.global_batch)
+        self.read_counts = ReadCounts()  # this rank's reading in the current epoch
         self.device = pick_device(context.local_rank)
         self.engine = Engine(
             workload,
@@ -73,7 +80,9 @@ class Trainer:
             self.accum,
             compile_cache=os.path.join(config.run_dir, "compile_cache"),
         )
-        self.training = TrainingState(self.world, self.global_batch)
+        self.training = TrainingState(
+            self.world, self.global_batch, self.manifest.digest, workload.data.accept_changed_data
+        )
         self.last_loss = math.nan
         self.last_eval: dict[str, float] = {}
         self.reporter = Reporter(StepStats(self.world, config.report_interval_s, self.rank), context)
@@ -159,10 +168,14 @@ class Trainer:
             seed=self.workload.train.seed,
             skipped_steps=set(self.training.skipped_steps),
         )
-        return micro_batches(self.context.dataset_shard("train"), plan, self.position)
+        return micro_batches(self.manifest, plan, self.position, self.read_counts)
 
     def run(self) -> None:
-        self.restore()
+        try:
+            self.restore()
+        except ShoalError as exc:  # a checkpoint of another global batch or other data: no retry helps
+            self._fail("; ".join(exc.lines()))
+            return
         self.reporter.send(self._summary())
         if self.failure.on_nan == "rollback" and self.position.step == 0:
             self.checkpointer.save(self._summary())  # something to roll back to before the first checkpoint
@@ -209,6 +222,7 @@ class Trainer:
             WorkerValue.BUSY_S: self.data_wait + phases.get("forward", 0.0),
             "peak_mb": peak_memory_mb(self.device),
             **self.gpu.read(),
+            **read_counts_per_rank(self.read_counts),
         }
         try:
             reduced = self.reporter.stats.reduce(
@@ -237,6 +251,8 @@ class Trainer:
             self.audit.record(self.position.step, last.epoch, group)
         elapsed, self.step_started = time.perf_counter() - self.step_started, time.perf_counter()
         self._record(loss, elapsed, self.engine.objective.predicted_tokens(last.batch), phases, gathered)
+        if last.last_of_epoch:
+            self.reporter.steps[-1].values.update(data_metrics(gathered))
         self._record_model_metrics(reduced.metrics)
         return self._after_step(reduced.report_due)
 

@@ -18,7 +18,17 @@ from typing import Any
 
 import torch
 
-from shoal.messages import EventKind, GpuReading, Metric, WorkerValue, gpu_metric, worker_metric
+from shoal.data.reader import ReadCounts
+from shoal.messages import (
+    DataCount,
+    EventKind,
+    GpuReading,
+    Metric,
+    WorkerValue,
+    data_metric,
+    gpu_metric,
+    worker_metric,
+)
 
 
 class PhaseClock:
@@ -157,4 +167,19 @@ def worker_metrics(gathered: dict[str, list[float]], gpus: bool) -> dict[str, fl
     for reading in GpuReadings.FIELDS if gpus else ():
         for rank, value in enumerate(gathered[reading]):
             metrics[gpu_metric(rank, reading)] = value
+    return metrics
+
+
+def read_counts_per_rank(counts: ReadCounts) -> dict[str, float]:
+    """This rank's reading in the current epoch, as per-rank values for the step's all-reduce."""
+    return {data_metric(count): float(getattr(counts, count)) for count in DataCount}
+
+
+def data_metrics(gathered: dict[str, list[float]]) -> dict[str, float]:
+    """Every rank's reading of the epoch (`read_counts_per_rank`, gathered), and the sums."""
+    metrics = {}
+    for count in DataCount:
+        per_rank = gathered[data_metric(count)]
+        metrics.update({data_metric(count, rank): value for rank, value in enumerate(per_rank)})
+        metrics[data_metric(count)] = sum(per_rank)
     return metrics

@@ -86,8 +86,21 @@ class SampleAudit:
         self.attempt = _shared_attempt_id()
 
     def record(self, step: int, epoch: int, group: list) -> None:
-        ids = [int(i) for item in group if "id" in item.batch for i in item.batch["id"].tolist()]
-        line = {"attempt": self.attempt, "step": step, "epoch": epoch, "ids": ids, "time": time.time()}
+        """`group`: the step's stream items on this rank (epoch, global micro-batch index, batch)."""
+        micro = {
+            str(item.index): [int(i) for i in item.batch["id"].tolist()]
+            for item in group
+            if "id" in item.batch
+        }
+        ids = [i for batch in micro.values() for i in batch]
+        line = {
+            "attempt": self.attempt,
+            "step": step,
+            "epoch": epoch,
+            "ids": ids,
+            "micro": micro,
+            "time": time.time(),
+        }
         self._file.write(json.dumps(line) + "\n")
         self._file.flush()
 

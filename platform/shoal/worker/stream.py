@@ -1,27 +1,28 @@
-"""Micro-batches in one global order, so that data survives failures and resizes.
+"""This rank's micro-batches, read from its own lanes of each epoch's plan.
 
-Every rank reads the same stream of micro-batches (the training set is not split
-by Ray: each epoch is one deterministic order, shuffled with a seed that depends
-on the epoch only). Global micro-batch `i` of an epoch belongs to optimizer step
-`i // per_step` and is trained by rank `i % world`. Because the order and the
-micro-batch size do not depend on the world size, a position saved as "micro-
-batches consumed in this epoch" means the same samples at any world size: a
-resumed or resized run continues exactly where the checkpoint left off, and no
-sample is trained twice or skipped.
+The plan (data/epoch_plan.py) fixes which rows make up global micro-batch `i` of an
+epoch, whatever the world size: it belongs to optimizer step `i // per_step` and is
+trained by rank `i % world`. So a position saved as "micro-batches consumed in this
+epoch" means the same rows at any world size, and a resumed or resized rank opens the
+window of row groups that holds its position instead of replaying the epoch.
 
-A step's micro-batches are handed out only once the whole step is in the stream,
-so a short tail at the end of an epoch (fewer rows than a global batch) is
-dropped by every rank alike, instead of leaving one rank waiting in a collective.
+A rank reads only its lanes' row groups, a window ahead on a background thread
+(data/lanes.py, data/reader.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
+from shoal.data.epoch_plan import EpochPlan, plan_for
+from shoal.data.errors import DataError
+from shoal.data.lanes import slot_micro_batches
+from shoal.data.manifest import Manifest
+from shoal.data.reader import ReadCounts, RowGroupReader, to_tensors
 from shoal.worker.checkpoint.state import Position
 
 
@@ -30,6 +31,7 @@ class Item:
     epoch: int
     index: int  # global micro-batch index within the epoch, from 0
     batch: dict[str, torch.Tensor]
+    last_of_epoch: bool = False  # in the epoch's last optimizer step
 
 
 @dataclass
@@ -39,29 +41,45 @@ class StreamPlan:
     rank: int
     world: int
     epochs: int | None
-    shuffle_buffer: int
+    shuffle_buffer: int  # rows each lane mixes at a time; 0: no shuffle
     seed: int
     skipped_steps: set[tuple[int, int]] = field(default_factory=set)  # (epoch, step in epoch) never trained
 
-
-def micro_batches(shard: Any, plan: StreamPlan, position: Position) -> Iterator[Item]:
-    """This rank's micro-batches from `position` on, step by step, for `plan.epochs` (or forever)."""
-    epoch, consumed = position.epoch, position.batches_in_epoch
-    while plan.epochs is None or epoch < plan.epochs:
-        batches = shard.iter_torch_batches(
-            batch_size=plan.micro,
-            drop_last=True,
-            local_shuffle_buffer_size=plan.shuffle_buffer or None,
-            local_shuffle_seed=(plan.seed * 100_003 + epoch) if plan.shuffle_buffer else None,
+    def epoch(self, manifest: Manifest, epoch: int) -> EpochPlan:
+        return plan_for(
+            manifest, self.seed, epoch, self.micro, self.micro * self.per_step, self.shuffle_buffer
         )
-        mine: list[tuple[int, dict[str, torch.Tensor]]] = []
-        for index, batch in enumerate(batches):
-            if index < consumed:
-                continue
-            if index % plan.world == plan.rank:
-                mine.append((index, batch))
-            if index % plan.per_step == plan.per_step - 1:  # the whole step is in the stream
-                if (epoch, index // plan.per_step) not in plan.skipped_steps:
-                    yield from (Item(epoch, i, b) for i, b in mine)
-                mine = []
-        epoch, consumed = epoch + 1, 0
+
+
+def micro_batches(
+    manifest: Manifest,
+    plan: StreamPlan,
+    position: Position,
+    counts: ReadCounts,
+    reader: RowGroupReader | None = None,
+) -> Iterator[Item]:
+    """This rank's micro-batches from `position` on, step by step, for `plan.epochs` (or
+    forever). `counts` adds up what this rank reads, decodes and trains in the current epoch
+    (zeroed as each epoch starts): read it in the epoch's last step (`Item.last_of_epoch`)."""
+    reader = reader or RowGroupReader(manifest, counts)
+    epoch, consumed = position.epoch, position.batches_in_epoch
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-read") as loader:
+        while plan.epochs is None or epoch < plan.epochs:
+            epoch_plan = plan.epoch(manifest, epoch)
+            if epoch_plan.steps == 0:
+                raise DataError(
+                    manifest.root or "data",
+                    f"{manifest.total_rows} training rows are fewer than one global batch "
+                    f"({epoch_plan.global_batch})",
+                )
+            counts.take()
+            steps = [
+                j
+                for j in range(consumed // plan.per_step, epoch_plan.steps)
+                if (epoch, j) not in plan.skipped_steps
+            ]
+            read = slot_micro_batches(epoch_plan, plan.rank, plan.world, steps, reader, loader)
+            for index, rows in read:
+                counts.rows_trained += rows.num_rows
+                yield Item(epoch, index, to_tensors(rows), index // plan.per_step == epoch_plan.steps - 1)
+            epoch, consumed = epoch + 1, 0
