@@ -14,10 +14,13 @@ from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
+from shoal.data import prepare
+from shoal.data.sources import parquet_files
 from tests.conftest import WORKLOADS
 from tests.integration.helpers import (
     applied_samples,
     assert_exactly_once,
+    assert_micro_batches_follow_the_plan,
     events,
     loss_steps,
     registered,
@@ -95,6 +98,11 @@ def test_node_added_then_removed_keeps_data_exactly_once(workdir: Path, local_cl
             driver.kill()
     assert driver.returncode == 0, err[-3000:]
     assert_exactly_once(run_dir, STEPS, GLOBAL_BATCH, DIGITS_TRAIN_ROWS)
+    # At 1 and at 2 workers, each global micro-batch trained what the plan gives it (what an
+    # uninterrupted 1-worker run trains); 2 micro-batches of 64 rows a step.
+    digits = parquet_files(str(prepare("digits") / "train"), "digits")
+    checked = assert_micro_batches_follow_the_plan(run_dir, digits, 0, 64, GLOBAL_BATCH, 8192)
+    assert checked == 2 * STEPS
 
     client = MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("quickstart").experiment_id])
