@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -82,7 +84,10 @@ def test_unknown_corpus(tmp_path: Path) -> None:
         prepare("imagenet", tmp_path)
 
 
-def test_sources_by_directory_glob_and_file(tmp_path: Path) -> None:
+def test_sources_by_directory_glob_and_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import pyarrow.fs as pafs
+
+    from shoal.data import sources
     from shoal.data.sources import DataError, parquet_files
 
     root = prepare("digits", tmp_path / "d")
@@ -90,6 +95,17 @@ def test_sources_by_directory_glob_and_file(tmp_path: Path) -> None:
     by_glob = parquet_files(str(root / "train" / "part-*.parquet"), "data.train.path")
     assert by_dir == by_glob and len(by_dir) == 4
     assert parquet_files(by_dir[0], "data.train.path") == by_dir[:1]
-    assert parquet_files("s3://bucket/train", "data.train.path") == ["s3://bucket/train"]
+    # An object-store prefix is listed (here a local folder stands in for the bucket)
+    shutil.copytree(root / "train", tmp_path / "bucket" / "train")
+    (tmp_path / "bucket" / "train" / "notes.txt").write_text("not data")
+    bucket = pafs.SubTreeFileSystem(str(tmp_path), pafs.LocalFileSystem())
+    from_uri = SimpleNamespace(from_uri=lambda uri: (bucket, uri.split("://")[1]))
+    fs = SimpleNamespace(FileSystem=from_uri, FileType=pafs.FileType, FileSelector=pafs.FileSelector)
+    monkeypatch.setattr(sources, "pafs", fs)
+    listed = [f"s3://bucket/train/{Path(f).name}" for f in by_dir]
+    assert parquet_files("s3://bucket/train", "data.train.path") == listed
+    assert parquet_files(listed[0], "data.train.path") == listed[:1]
+    with pytest.raises(DataError, match="no such object or prefix: 's3://bucket/val'"):
+        parquet_files("s3://bucket/val", "data.val.path")
     with pytest.raises(DataError, match="no parquet files found"):
         parquet_files(str(root / "train" / "*.csv"), "data.train.path")

@@ -43,7 +43,7 @@ def _is_remote(path: str) -> bool:
 
 
 def parquet_files(path: str, where: str) -> list[str]:
-    """The parquet files a source names (remote URIs unexpanded), or a DataError."""
+    """The parquet files a source names (an object-store prefix listed), or a DataError."""
     if _is_remote(path):
         return _remote_parquet_files(path, where)
     local = path.removeprefix("file://")
