@@ -93,7 +93,11 @@ def test_gpt_trains_on_jsonl_with_its_own_bpe_and_resumes_with_it(
     assert {"tokenizer.json", "tokenizer_config.json"} <= logged
 
     write_jsonl(source, corpus(400, seed=1))  # train_bpe on this text would learn another tokenizer
-    resumed = run_workload(workdir, workload, ["train.max_steps=24"], run_name="text")
+    refused = run_workload(workdir, workload, ["train.max_steps=24"], run_name="text")
+    assert not refused.ok and "the data changed since the checkpoint was written" in refused.reason
+    assert "data.accept_changed_data: true" in refused.reason
+    accept = ["train.max_steps=24", "data.accept_changed_data=true"]
+    resumed = run_workload(workdir, workload, accept, run_name="text")
     assert resumed.ok, resumed.reason
     assert resumed.run_id == first.run_id and resumed.resumed_from == 20 and resumed.step == 24
     assert load_saved(run_tokenizer).digest == trained.digest
