@@ -137,3 +137,30 @@ def assert_exactly_once(run_dir: Path, steps: int, global_batch: int, rows: int)
         if epoch < max(per_epoch):  # a finished epoch
             assert sum(seen.values()) == per_full_epoch, f"epoch {epoch}: {sum(seen.values())} samples"
     assert sum(sum(c.values()) for c in per_epoch.values()) == steps * global_batch
+
+
+def assert_every_evaluation_saw_the_validation_set_once(run_dir: Path, val_files: list[str]) -> list[int]:
+    """The latest evaluation at each step (its attempt's, every data-parallel slot's share
+    together) held every validation sample exactly once. Returns the steps checked."""
+    val_ids = Counter(
+        i
+        for f in build_manifest(val_files).files
+        for i in pq.read_table(f.path, columns=["id"])["id"].to_pylist()
+    )
+    records = [
+        json.loads(line)
+        for path in sorted((run_dir / "audit").glob("eval-rank*.jsonl"))
+        for line in path.open()
+    ]
+    latest: dict[int, str] = {}
+    for record in records:
+        if record["step"] not in latest or float(record["attempt"]) > float(latest[record["step"]]):
+            latest[record["step"]] = record["attempt"]
+    for step, attempt in sorted(latest.items()):
+        shares = [r for r in records if r["step"] == step and r["attempt"] == attempt]
+        assert sorted(r["slot"] for r in shares) == list(range(shares[0]["slots"])), f"step {step}: {shares}"
+        seen = Counter(i for r in shares for i in r["ids"])
+        assert seen == val_ids, (
+            f"evaluation at step {step}: {sum(seen.values())} ids, {len(val_ids)} in the set"
+        )
+    return sorted(latest)

@@ -23,6 +23,7 @@ from tests.integration.conftest import run_in_thread, run_workload
 from tests.integration.helpers import (
     applied_samples,
     assert_bitwise_equal,
+    assert_every_evaluation_saw_the_validation_set_once,
     assert_exactly_once,
     assert_micro_batches_follow_the_plan,
     events,
@@ -85,6 +86,9 @@ def test_sigkilled_worker_resumes_bitwise_and_exactly_once(
     # and each global micro-batch the plan's: what an uninterrupted 1-worker run trains.
     assert_exactly_once(run_dir, 60, GLOBAL_BATCH, DIGITS_TRAIN_ROWS)
     assert assert_micro_batches_follow_the_plan(run_dir, digits_train(), 0, 64, GLOBAL_BATCH, 8192) == 60 * 2
+    # Each evaluation (2 workers) saw every validation sample once, the one replayed too.
+    digits_val = parquet_files(str(prepare("digits") / "val"), "digits")
+    assert assert_every_evaluation_saw_the_validation_set_once(run_dir, digits_val) == [15, 30, 45, 60]
 
     client = MlflowClient(result.tracking_uri)
     assert loss_steps(client, result.run_id) == list(range(1, 61))

@@ -1,10 +1,9 @@
 """An in-process `TrainContext`: the real Trainer, Engine and checkpoints, no Ray.
 
-The training set is written to parquet (`parquet_manifest`) and read by the worker's
-own reader, as in a run; a validation set is tensors in memory, standing in for Ray
-Data's split. `report` commits a checkpoint the way Ray Train does (every rank's files
-copied into one directory in storage, then it is the latest) and keeps every report
-for the test to read.
+The training and validation sets are written to parquet (`parquet_manifest`) and read by
+the worker's own readers, as in a run. `report` commits a checkpoint the way Ray Train
+does (every rank's files copied into one directory in storage, then it is the latest) and
+keeps every report for the test to read.
 """
 
 from __future__ import annotations
@@ -41,31 +40,6 @@ def parquet_manifest(directory: Path, columns: dict[str, torch.Tensor], rows_per
     return build_manifest([str(path)]).to_json()
 
 
-class InMemoryShard:
-    """Rows of tensors, read in order (or shuffled with the given seed), like a Ray Data shard."""
-
-    def __init__(self, columns: dict[str, torch.Tensor]):
-        self.columns = columns
-        self.rows = len(next(iter(columns.values())))
-
-    def iter_torch_batches(
-        self,
-        batch_size: int,
-        drop_last: bool = False,
-        local_shuffle_buffer_size: int | None = None,
-        local_shuffle_seed: int | None = None,
-    ) -> Iterator[dict[str, torch.Tensor]]:
-        order = torch.arange(self.rows)
-        if local_shuffle_buffer_size:
-            seeded = torch.Generator().manual_seed(local_shuffle_seed or 0)
-            order = torch.randperm(self.rows, generator=seeded)
-        for start in range(0, self.rows, batch_size):
-            rows = order[start : start + batch_size]
-            if drop_last and len(rows) < batch_size:
-                return
-            yield {name: column[rows] for name, column in self.columns.items()}
-
-
 @dataclass
 class LocalCheckpoint:
     path: str
@@ -86,18 +60,14 @@ class LocalContext:
     def __init__(
         self,
         storage: Path,
-        datasets: dict[str, InMemoryShard],
         world_rank: int = 0,
         world_size: int = 1,
         latest: str | None = None,
     ):
-        self.storage, self.datasets = storage, datasets
+        self.storage = storage
         self.world_rank, self.world_size, self.local_rank = world_rank, world_size, world_rank
         self.latest = LocalCheckpoint(latest) if latest else None
         self.reports: list[Report] = []
-
-    def dataset_shard(self, name: str) -> InMemoryShard:
-        return self.datasets[name]
 
     def report(
         self,

@@ -45,11 +45,9 @@ def _custom_rank(rank: int, port: int, tmp_path: Path, spec: dict) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2)
     generator = torch.Generator().manual_seed(0)
     rows = {"f": torch.randn(64, 4, generator=generator), "t": torch.randn(64, generator=generator)}
-    context = LocalContext(tmp_path / "storage", {}, rank, 2)
+    context = LocalContext(tmp_path / "storage", rank, 2)
     manifest = parquet_manifest(tmp_path / f"data-{rank}", {**rows, "id": torch.arange(64)})
-    config = WorkerConfig(
-        Workload.model_validate(spec), "custom", False, str(tmp_path / "run"), 1e9, 1, manifest
-    )
+    config = WorkerConfig(Workload.model_validate(spec), "custom", str(tmp_path / "run"), 1e9, 1, manifest)
     Trainer(config, context).run()
     outcome = {"steps": context.step_records(), "fatal": context.events("fatal")}
     (tmp_path / f"rank{rank}.json").write_text(json.dumps(outcome))
@@ -130,7 +128,7 @@ def test_evaluation_logs_the_models_metrics_as_val_metrics(
     from shoal.spec.schema import Workload
     from shoal.worker.config import WorkerConfig
     from shoal.worker.loop import Trainer
-    from tests.unit.local_context import InMemoryShard, LocalContext, parquet_manifest
+    from tests.unit.local_context import LocalContext, parquet_manifest
 
     (tmp_path / "id_net_eval.py").write_text(ID_MODEL)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -147,10 +145,15 @@ def test_evaluation_logs_the_models_metrics_as_val_metrics(
     rows = {"f": torch.randn(32, 4), "t": torch.randn(32), "id": torch.arange(32)}
     val = {"f": torch.randn(16, 4), "t": torch.randn(16), "id": torch.arange(100, 116)}
     (tmp_path / "storage").mkdir()
-    context = LocalContext(tmp_path / "storage", {"val": InMemoryShard(val)})
-    manifest = parquet_manifest(tmp_path / "data", rows)
+    context = LocalContext(tmp_path / "storage")
     config = WorkerConfig(
-        Workload.model_validate(spec), "custom", True, str(tmp_path / "run"), 1e9, 1, manifest
+        Workload.model_validate(spec),
+        "custom",
+        str(tmp_path / "run"),
+        1e9,
+        1,
+        train_manifest=parquet_manifest(tmp_path / "data", rows),
+        val_manifest=parquet_manifest(tmp_path / "val", val, rows_per_group=5),
     )
     Trainer(config, context).run()
     (evaluation,) = context.events("eval")

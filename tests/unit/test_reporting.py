@@ -15,7 +15,7 @@ from tests.unit.local_context import LocalContext
 
 @pytest.fixture
 def context(tmp_path: Path) -> LocalContext:
-    return LocalContext(tmp_path, {})
+    return LocalContext(tmp_path)
 
 
 def reporter(context: LocalContext) -> Reporter:

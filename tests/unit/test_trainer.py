@@ -63,11 +63,10 @@ def trainer(
     latest: str | None = None,
 ) -> tuple[Trainer, LocalContext]:
     (tmp_path / "storage").mkdir(parents=True, exist_ok=True)
-    context = LocalContext(tmp_path / "storage", {}, latest=latest)
+    context = LocalContext(tmp_path / "storage", latest=latest)
     config = WorkerConfig(
         workload=w,
         task="classify",
-        has_val=False,
         run_dir=str(tmp_path / "run"),
         report_interval_s=report_interval_s,
         threads_per_worker=1,
@@ -159,11 +158,9 @@ def _two_rank_attempt(rank: int, port: int, tmp_path: Path, spec: dict[str, Any]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    context = LocalContext(tmp_path / "storage", {}, rank, 2)
+    context = LocalContext(tmp_path / "storage", rank, 2)
     manifest = parquet_manifest(tmp_path / f"data-{rank}", rows(160))
-    config = WorkerConfig(
-        Workload.model_validate(spec), "classify", False, str(tmp_path / "run"), 1e9, 1, manifest
-    )
+    config = WorkerConfig(Workload.model_validate(spec), "classify", str(tmp_path / "run"), 1e9, 1, manifest)
     Trainer(replace(config, audit_samples=True), context).run()
     dist.destroy_process_group()
 

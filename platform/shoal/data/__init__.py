@@ -2,7 +2,13 @@
 
 from shoal.data.builtin import BUILTINS, cache_dir, prepare
 from shoal.data.errors import DataError
-from shoal.data.sources import DataPlan, build_datasets, plan_data, row_group_warning, training_manifest
+from shoal.data.sources import (
+    DataPlan,
+    plan_data,
+    row_group_warning,
+    training_manifest,
+    validation_manifest,
+)
 from shoal.data.text import PackProgress, TextPlan, keep_run_tokenizer, plan_text
 from shoal.data.tokenizers import TextTokenizer, load_saved
 
@@ -13,7 +19,6 @@ __all__ = [
     "PackProgress",
     "TextPlan",
     "TextTokenizer",
-    "build_datasets",
     "cache_dir",
     "keep_run_tokenizer",
     "load_saved",
@@ -22,4 +27,5 @@ __all__ = [
     "prepare",
     "row_group_warning",
     "training_manifest",
+    "validation_manifest",
 ]

@@ -186,8 +186,8 @@ def plan_data(
             _check_columns(val, task, columns, "data.val.path")
     cache = data.get("cache", "auto")
     if cache == "auto":
-        remote = any(_is_remote(f) for f in train + (val or []))
-        cache = not remote and _total_bytes(train + (val or [])) < CACHE_LIMIT_BYTES
+        remote = any(_is_remote(f) for f in val or [])
+        cache = not remote and _total_bytes(val or []) < CACHE_LIMIT_BYTES
     return DataPlan(train, val, task, cache=bool(cache), text=text)
 
 
@@ -204,16 +204,6 @@ def row_group_warning(plan: DataPlan, micro: int, global_batch: int, window_rows
     return coarse_row_groups(training_manifest(plan), micro, global_batch, window_rows)
 
 
-def build_datasets(plan: DataPlan) -> dict[str, Any]:
-    """Ray datasets for the trainer: the validation set only (every worker reads its own share
-    of the training set itself, worker/stream.py); a small one is cached in the object store,
-    so that each evaluation does not read the files again."""
-    if not plan.val:
-        return {}
-    import ray.data  # lazy: about a second to import; `shoal validate` plans data without it
-
-    context = ray.data.DataContext.get_current()
-    context.print_on_execution_start = False
-    context.execution_options.preserve_order = True  # the same row order in every run and attempt
-    val = ray.data.read_parquet(plan.val)
-    return {"val": val.materialize() if plan.cache else val}
+def validation_manifest(plan: DataPlan) -> Manifest | None:
+    """The validation files' manifest, like the training set's; None without a validation set."""
+    return load_or_build_manifest(plan.val, cache_root() / "manifests") if plan.val else None

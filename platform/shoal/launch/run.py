@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from shoal.data import keep_run_tokenizer, training_manifest
+from shoal.data import keep_run_tokenizer, training_manifest, validation_manifest
 from shoal.data.manifest import Manifest, coarse_row_groups
 from shoal.errors import ShoalError
 from shoal.launch.cluster import QUIET_ENV, ClusterError, quiet_ray_logging, ray_session
@@ -132,27 +132,20 @@ def _worker_config(
     loaded: LoadedWorkload, run_dir: Path, options: RunOptions, manifest: Manifest
 ) -> WorkerConfig:
     assert loaded.data is not None
+    val = validation_manifest(loaded.data)
     return WorkerConfig(
         workload=loaded.workload,
         task=loaded.data.task,
-        has_val=bool(loaded.data.val),
         run_dir=str(run_dir),
         report_interval_s=options.report_interval_s,
         threads_per_worker=_threads_per_worker(loaded.workload.scaling),
         train_manifest=manifest.to_json(),
+        val_manifest=val.to_json() if val else "",
+        keep_val=loaded.data.cache,
         sys_path=(os.getcwd(),),
         audit_samples=os.environ.get("SHOAL_AUDIT_SAMPLES") == "1",
         init_from=options.init_from,
     )
-
-
-def data_config() -> Any:
-    """Ray Data serves only the validation set, split across the workers; each worker reads its
-    own share of the training set from the manifest (worker/stream.py)."""
-    # deferred: Ray loads when a run starts; `shoal submit` and `runs show` import launch/, start none
-    import ray.train
-
-    return ray.train.DataConfig(datasets_to_split=["val"])
 
 
 def _trainer(
@@ -162,7 +155,6 @@ def _trainer(
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    from shoal.data import build_datasets
     from shoal.tracking.bridge import ForwardingCallback
     from shoal.worker.loop import train
 
@@ -192,9 +184,7 @@ def _trainer(
             resources_per_worker=resources,
         ),
         run_config=run_config,
-        datasets=build_datasets(loaded.data),
-        dataset_config=data_config(),
-    )
+    )  # no Ray datasets: each worker reads its own share of the data (worker/stream.py, steps.py)
 
 
 def _check_resources(loaded: LoadedWorkload, session: Any) -> None:

@@ -71,7 +71,7 @@ class DataSpec(Section):
     train: DatasetPath | None = None
     val: DatasetPath | None = None
     batch_size: PositiveInt = 32
-    cache: Literal["auto"] | bool = "auto"  # keep in Ray's object store (auto: under 512 MB)
+    cache: Literal["auto"] | bool = "auto"  # keep val batches in worker memory (auto: local, < 512 MB)
     # rows each lane of the epoch plan mixes at a time (data/epoch_plan.py); 0: no shuffle at all
     shuffle_buffer: int = Field(8192, ge=0)
     accept_changed_data: bool = False  # resume although the data's manifest digest changed
@@ -114,7 +114,7 @@ class TrainSpec(Section):
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
     clip_grad_norm: PositiveFloat | None = None
     eval_every: PositiveInt | None = None
-    eval_batches: PositiveInt | None = None  # per worker; None evaluates the whole val set
+    eval_batches: PositiveInt | None = None  # the first N val batches, all workers; None: all
     seed: int = 0
 
     @model_validator(mode="after")

@@ -11,11 +11,12 @@ from shoal.spec.schema import Workload
 class WorkerConfig:
     workload: Workload
     task: str  # classify | lm | custom: how batches become a loss (models/objective.py)
-    has_val: bool  # a validation set was given (Ray Data splits it across workers)
     run_dir: str  # this run's local directory (logs, pid files, audit, compile cache)
     report_interval_s: float
     threads_per_worker: int
     train_manifest: str = ""  # the training data's manifest, as JSON (data/manifest.py)
+    val_manifest: str = ""  # the validation set's, or "" without one (data/evaluation.py)
+    keep_val: bool = False  # keep this rank's validation batches in memory between evaluations
     sys_path: tuple[str, ...] = field(default_factory=tuple)  # where user model modules live
     audit_samples: bool = False  # write the sample ids of every step (exactly-once tests)
     init_from: str | None = None  # another run's checkpoint, for a run that has none of its own

@@ -29,10 +29,6 @@ class TrainContext(Protocol):
     world_size: int
     local_rank: int
 
-    def dataset_shard(self, name: str) -> Any:
-        """This worker's view of dataset `name` (it has `iter_torch_batches`)."""
-        ...
-
     def report(
         self,
         metrics: dict[str, Any],
@@ -60,9 +56,6 @@ class RayTrainContext:
         self.world_rank = context.get_world_rank()
         self.world_size = context.get_world_size()
         self.local_rank = context.get_local_rank()
-
-    def dataset_shard(self, name: str) -> Any:
-        return self._train.get_dataset_shard(name)
 
     def report(
         self,

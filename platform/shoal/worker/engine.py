@@ -117,6 +117,15 @@ class Engine:
         )
 
     # -- data -----------------------------------------------------------------------
+    def data_slot(self) -> tuple[int, int]:
+        """(this rank's data-parallel slot, how many there are): ranks of a slot (tp x pp)
+        train one model replica's share."""
+        if self.mesh is None:
+            return 0, 1
+        replicate = self.mesh["dp_replicate"].get_local_rank()
+        shard = self.mesh["dp_shard"].get_local_rank()
+        return replicate * self.dims.dp_shard + shard, self.dims.dp
+
     def combine(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Ranks that share a data-parallel slot (tp x pp) train on the union of their reads."""
         if self.mp_group is None:

@@ -52,7 +52,7 @@ from shoal.worker.metrics import (
 from shoal.worker.profiling import ProfileWindow
 from shoal.worker.reporting import MetricNamesError, Reporter, StepStats
 from shoal.worker.runtime import HangWatchdog, SampleAudit, pick_device, seed_everything, write_pid_file
-from shoal.worker.steps import evaluate
+from shoal.worker.steps import ValidationShare, evaluate
 from shoal.worker.stream import StreamPlan, micro_batches
 
 
@@ -98,6 +98,13 @@ class Trainer:
         )
         self.watchdog = HangWatchdog(self.failure.hang_timeout_s, config.run_dir, self.rank)
         self.audit = SampleAudit(config.run_dir, self.rank) if config.audit_samples else None
+        self.validation = (
+            ValidationShare(
+                config.val_manifest, self.engine, self.micro, workload.train.eval_batches, config.keep_val
+            )
+            if config.val_manifest
+            else None
+        )
 
     @property
     def position(self) -> Position:
@@ -145,10 +152,11 @@ class Trainer:
         return ReportSummary(p.step, p.epoch, p.samples, self.world, self.total_steps, final, fatal, score)
 
     def _evaluate(self) -> None:
-        if self.config.has_val:
-            shard = self.context.dataset_shard("val")
-            max_batches = self.workload.train.eval_batches
-            results = evaluate(self.engine, shard, self.task, self.micro, self.world, max_batches=max_batches)
+        if self.validation is not None:
+            batches = self.validation.batches()
+            if self.audit and self.rank == self.engine.mp_ranks[0]:  # one rank per data-parallel slot
+                batches = self.audit.evaluated(self.position.step, batches, *self.engine.data_slot())
+            results = evaluate(self.engine, batches, self.task, self.world)
         else:
             results = {}
         self.last_eval = {**results, Metric.TRAIN_LOSS: self.last_loss}

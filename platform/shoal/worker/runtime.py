@@ -8,6 +8,7 @@ import os
 import random
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
@@ -80,6 +81,7 @@ class SampleAudit:
         directory.mkdir(parents=True, exist_ok=True)
         self.attempt = _shared_attempt_id()
         self._file: IO[str] = open(directory / f"rank{rank}.jsonl", "a")  # noqa: SIM115 (lives with the process)
+        self._evals: IO[str] = open(directory / f"eval-rank{rank}.jsonl", "a")  # noqa: SIM115
 
     def new_lineage(self) -> None:
         """After an in-process rollback: the steps replayed from here replace the earlier ones."""
@@ -103,6 +105,17 @@ class SampleAudit:
         }
         self._file.write(json.dumps(line) + "\n")
         self._file.flush()
+
+    def evaluated(self, step: int, batches: Iterator[dict], slot: int, slots: int) -> Iterator[dict]:
+        """Pass an evaluation's batches through, then write the sample ids they held (to
+        audit/eval-rankN.jsonl; one rank per data-parallel slot writes)."""
+        ids: list[int] = []
+        for batch in batches:
+            ids += [int(i) for i in batch["id"].tolist()] if "id" in batch else []
+            yield batch
+        line = {"attempt": self.attempt, "step": step, "slot": slot, "slots": slots, "ids": ids}
+        self._evals.write(json.dumps(line) + "\n")
+        self._evals.flush()
 
 
 def _shared_attempt_id() -> str:

@@ -1,13 +1,18 @@
-"""Evaluation over a rank's val shard, and what one batch adds to it (the loss of each task
-lives in models/objective.py, shared with the cost trace and the pre-launch checks)."""
+"""Evaluation over a rank's share of the validation set (data/evaluation.py), and what one
+batch adds to it (the loss of each task lives in models/objective.py, shared with the cost
+trace and the pre-launch checks)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from shoal.data.evaluation import evaluation_batches
+from shoal.data.manifest import Manifest
+from shoal.data.reader import ReadCounts, RowGroupReader, to_tensors
 from shoal.messages import VAL_PREFIX, Metric, model_metric
 from shoal.worker.reporting import agreed_names
 
@@ -21,27 +26,52 @@ class BatchTotals(NamedTuple):
     metric_sums: dict[str, float]  # the model's metrics x samples
 
 
+class ValidationShare:
+    """This rank's share of the validation set: the batches of its data-parallel slot, each
+    of `micro` rows per rank of the slot (what `Engine.combine` makes of a training batch),
+    read by the worker itself; footers are read once, at the first evaluation. With `keep`
+    (`data.cache`), the batches stay in memory for the next evaluations."""
+
+    def __init__(self, manifest_json: str, engine: Any, micro: int, max_batches: int | None, keep: bool):
+        self.manifest = Manifest.from_json(manifest_json)
+        self.reader = RowGroupReader(self.manifest, ReadCounts())
+        self.slot, self.slots = engine.data_slot()
+        self.batch_rows = micro * len(engine.mp_ranks)
+        self.max_batches = max_batches
+        self.whole_only = engine.pipeline is not None  # pipeline schedules need one batch shape
+        self.keep, self.kept = keep, None
+
+    def batches(self) -> Iterator[dict[str, torch.Tensor]]:
+        if self.kept is not None:
+            return iter(self.kept)
+        if self.keep:
+            self.kept = list(self._read())
+            return iter(self.kept)
+        return self._read()
+
+    def _read(self) -> Iterator[dict[str, torch.Tensor]]:
+        tables = evaluation_batches(
+            self.manifest,
+            self.reader,
+            self.batch_rows,
+            self.slot,
+            self.slots,
+            self.max_batches,
+            self.whole_only,
+        )
+        return (to_tensors(table) for table in tables)
+
+
 def evaluate(
-    engine: Any,
-    shard: Any,
-    task: str,
-    batch_size: int,
-    world_size: int,
-    max_batches: int | None = None,
+    engine: Any, batches: Iterable[dict[str, torch.Tensor]], task: str, world_size: int
 ) -> dict[str, float]:
     """Loss (accuracy for classify, the model's own metrics as `val/<name>`) over this rank's
-    val shard, averaged over every rank's samples.
-
-    Pipelines need every batch the same shape, so they skip a short last batch.
-    """
+    batches, averaged over every rank's samples."""
     totals = torch.zeros(3, dtype=torch.float64)  # loss x n, correct, n
     metric_sums: dict[str, float] = {}
     measured = False
-    drop_last = engine.pipeline is not None
-    for index, batch in enumerate(shard.iter_torch_batches(batch_size=batch_size, drop_last=drop_last)):
-        if max_batches is not None and index >= max_batches:
-            break
-        result = engine.eval_batch(engine.combine(batch))
+    for batch in batches:
+        result = engine.eval_batch(batch)
         totals += torch.tensor(result[:3], dtype=torch.float64)
         for name, value in result.metric_sums.items():
             metric_sums[name] = metric_sums.get(name, 0.0) + value
