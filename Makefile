@@ -32,6 +32,8 @@ clean:
 	rm -rf $(VENV) shoal_runs mlflow.db mlruns .pytest_cache
 
 bench: $(STAMP)
+	$(BIN)/python bench/data_plane.py --repeats 3
+	$(BIN)/python bench/val_parity.py --seeds 3
 	$(BIN)/python bench/run.py --repeats 3
 
 bench-recovery: $(STAMP)

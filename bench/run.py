@@ -24,6 +24,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.common import WARMUP_STEPS  # noqa: E402
 from bench.cpu_share import CpuSampler  # noqa: E402
+from bench.data_plane_report import data_plane, val_parity  # noqa: E402
 from bench.multinode import three_node_cluster  # noqa: E402
 from bench.report import RECOVERY_SECTION, commit_ab, machine, render  # noqa: E402
 from shoal.messages import Metric  # noqa: E402
@@ -121,6 +122,12 @@ def main() -> None:
     commits = REPO / "bench" / "results_commits.json"  # bench/compare_commits.py's, when run
     if commits.exists():
         text += "\n".join(commit_ab(json.loads(commits.read_text()))) + "\n"
+    plane = REPO / "bench" / "results_data_plane.json"  # bench/data_plane.py's, when run
+    if plane.exists():
+        text += "\n".join(data_plane(json.loads(plane.read_text()))) + "\n"
+    parity = REPO / "bench" / "results_val_parity.json"  # bench/val_parity.py's, when run
+    if parity.exists():
+        text += "\n".join(val_parity(json.loads(parity.read_text()))) + "\n"
     if kept[1]:  # `make bench-recovery`'s section stays
         text += "\n" + kept[1] + kept[2]
     out.write_text(text)
