@@ -100,13 +100,20 @@ def test_resizes_4_to_2_and_2_to_3_mid_epoch_keep_data_exactly_once(workdir: Pat
     driver = shoal_cli(args, workdir, SHOAL_AUDIT_SAMPLES="1")
     run_dir = workdir / "shoal_runs" / "elastic"
     running = lambda: driver.poll() is None  # noqa: E731
+
+    def still_running(stage: str) -> None:
+        if not running():
+            out, err = driver.communicate()
+            ended = f"training ended {stage} (exit {driver.returncode})"
+            raise AssertionError(f"{ended}:\n{out[-2000:]}\n{err[-4000:]}")
+
     try:
         wait_for(
             lambda: (latest_world(run_dir) == 4 and newest_checkpoint(run_dir) >= 40) or not running(),
             300,
             "4 workers",
         )
-        assert running(), "training ended before the node removal"
+        still_running("before the node removal")
         removed_at = time.time()
         local_cluster.remove_node(doomed, allow_graceful=False)  # 4 -> 2
         wait_for(lambda: latest_world(run_dir) == 2 or not running(), 300, "the shrink to 2")
@@ -114,7 +121,7 @@ def test_resizes_4_to_2_and_2_to_3_mid_epoch_keep_data_exactly_once(workdir: Pat
         wait_for(
             lambda: newest_checkpoint(run_dir) >= shrunk_at + 40 or not running(), 300, "two checkpoints at 2"
         )
-        assert running(), "training ended before the node was added"
+        still_running("before the node was added")
         local_cluster.add_node(num_cpus=2)  # room for a third worker: 2 -> 3
         out, err = driver.communicate(timeout=600)
     finally:

@@ -199,6 +199,17 @@ def _check_resources(loaded: LoadedWorkload, session: Any) -> None:
         )
 
 
+def report_queue() -> Any:
+    """The queue from Ray Train's controller to the driver, on the driver's node (where
+    Ray Train pins the controller too): anywhere else, losing that node would end the run."""
+    import ray
+    from ray.util.queue import Queue
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return Queue(actor_options={"num_cpus": 0, "scheduling_strategy": here})
+
+
 def failure_reason(exc: BaseException) -> str:
     failures = getattr(exc, "worker_failures", None)
     if failures:
@@ -230,7 +241,6 @@ def run(
     """Train a workload to completion (or failure); resumes a run name that has checkpoints."""
     # deferred: Ray loads when a run starts; `shoal submit` and `runs show` import launch/, start none
     from ray.train import TrainingFailedError
-    from ray.util.queue import Queue
 
     options = options or RunOptions()
     w = loaded.workload
@@ -270,7 +280,7 @@ def run(
             tracked.log_artifact(str(run_dir / "tokenizer"), "tokenizer")
         recorder = Recorder(tracked, observer, run_dir, tensorboard=w.monitor.tensorboard)
         result = RunResult("FAILED", run_name, str(run_dir), tracked.run_id, experiment, uri)
-        queue = Queue(actor_options={"num_cpus": 0})
+        queue = report_queue()
         best = w.checkpoint.keep_best
         keeper = best and BestKeeper(storage, run_name, best.metric, best.mode, tracked.set_tags)
         drainer = Drainer(queue, recorder, keeper or None)
