@@ -202,6 +202,7 @@ def _check_resources(loaded: LoadedWorkload, session: Any) -> None:
 def report_queue() -> Any:
     """The queue from Ray Train's controller to the driver, on the driver's node (where
     Ray Train pins the controller too): anywhere else, losing that node would end the run."""
+    # deferred like every Ray import here: `shoal submit` and `runs show` start no Ray
     import ray
     from ray.util.queue import Queue
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
