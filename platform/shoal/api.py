@@ -227,9 +227,9 @@ def export(
 def _recorded_workload(spec_yaml: str, where: str) -> Any:
     """A recorded workload, validated (its data need not exist any more)."""
     # deferred: the spec layer imports torch (model checks); `import shoal` stays light
-    from shoal.spec.loader import Source, validate_data
+    from shoal.spec.loader import parse_workload_text, validate_data
 
-    return validate_data(yaml.safe_load(spec_yaml), Source(where))
+    return validate_data(*parse_workload_text(spec_yaml, where))
 
 
 def _save_hf(model: nn.Module, workload: Any, uri: str, run_id: str, target: Path) -> None:

@@ -8,6 +8,13 @@ from torch import nn
 
 class ConvNet(nn.Module):
     task = "classify"
+    arg_limits = {  # checked before launch (models/registry.py): beyond these, a typo
+        "channels": (1, 4096),
+        "image_size": (2, 4096),
+        "in_channels": (1, 4096),
+        "num_classes": (1, 1 << 20),
+        "dropout": (0, 1),
+    }
 
     def __init__(
         self,

@@ -69,6 +69,14 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     task = "lm"
+    arg_limits = {  # checked before launch (models/registry.py): beyond these, a typo
+        "n_layers": (1, 1024),
+        "d_model": (1, 65536),
+        "n_heads": (1, 1024),
+        "vocab_size": (1, 1 << 22),
+        "seq_len": (1, 1 << 20),
+        "dropout": (0, 1),
+    }
 
     def __init__(
         self,

@@ -30,19 +30,31 @@ def import_target(target: str) -> type[nn.Module]:
     directory on sys.path; users expect their `my_models.py` beside the YAML.
     """
     module_name, _, attr = target.partition(":")
-    if os.getcwd() not in sys.path:
-        sys.path.append(os.getcwd())
-    importlib.invalidate_caches()
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ModelError(f"cannot import module '{module_name}' ({exc})") from None
+    module = _import_user_module(module_name)
     cls = getattr(module, attr, None)
     if cls is None:
         raise ModelError(f"module '{module_name}' has no attribute '{attr}'")
     if not (inspect.isclass(cls) and issubclass(cls, nn.Module)):
         raise ModelError(f"'{target}' is not a torch.nn.Module subclass")
     return cls
+
+
+def _import_user_module(module_name: str) -> ModuleType:
+    """Import a user's module (the working directory searched too); whatever goes wrong in
+    it, a ModelError naming the module and what it raised."""
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    importlib.invalidate_caches()
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ModelError(f"cannot import module '{module_name}' ({exc})") from None
+    except (Exception, SystemExit) as exc:  # the user's module itself failed: say so in one line
+        where = ""
+        if isinstance(exc, SyntaxError) and exc.lineno:
+            where = f" at {exc.filename}:{exc.lineno}"
+        problem = f"{type(exc).__name__}{where}: {exc}"
+        raise ModelError(f"importing module '{module_name}' raised {problem}") from None
 
 
 def model_class(family: str | None, target: str | None, hf: Any = None) -> type[nn.Module]:
@@ -84,12 +96,7 @@ def model_task(cls: type[nn.Module], declared: str | None) -> str:
 def import_loss(target: str) -> Callable[..., Any]:
     """`model.loss`: a `package.module:function(outputs, batch)` returning the loss."""
     module_name, _, attr = target.partition(":")
-    if os.getcwd() not in sys.path:
-        sys.path.append(os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ModelError(f"cannot import module '{module_name}' ({exc})") from None
+    module = _import_user_module(module_name)
     function = getattr(module, attr, None)
     if not callable(function):
         raise ModelError(f"module '{module_name}' has no function '{attr}'")
@@ -114,11 +121,31 @@ def model_config(model_cfg: dict[str, Any], seq_len: int | None) -> dict[str, An
     return {**model_cfg, "args": {**args, "seq_len": seq_len}}
 
 
+# an annotation (or its string, under `from __future__ import annotations`) -> accepted types
+ARG_TYPES: dict[Any, tuple[type, ...]] = {int: (int,), float: (int, float), bool: (bool,)}
+ARG_TYPES.update({"int": (int,), "float": (int, float), "bool": (bool,)})
+ARG_KINDS = {(int,): "an integer", (int, float): "a number", (bool,): "true or false"}
+
+
 def check_args(cls: type[nn.Module], args: dict[str, Any]) -> None:
+    """Args the constructor accepts: known names, the annotated scalar types (`true` is not an
+    int), and the ranges a class declares in `arg_limits` (name -> (low, high), inclusive)."""
+    signature = inspect.signature(cls)
     try:
-        inspect.signature(cls).bind(**args)
+        signature.bind(**args)
     except TypeError as exc:
         raise ModelError(f"{cls.__name__} does not accept these args: {exc}") from None
+    limits: dict[str, tuple[float, float]] = getattr(cls, "arg_limits", {})
+    for name, value in args.items():
+        parameter = signature.parameters.get(name)
+        wanted = ARG_TYPES.get(parameter.annotation) if parameter is not None else None
+        if wanted and (not isinstance(value, wanted) or (bool not in wanted and isinstance(value, bool))):
+            raise ModelError(f"must be {ARG_KINDS[wanted]} (got {value!r})", where=f"model.args.{name}")
+        if name in limits and not isinstance(value, bool) and isinstance(value, (int, float)):
+            low, high = limits[name]
+            if not low <= value <= high:
+                problem = f"must be in [{low:g}, {high:g}] for {cls.__name__} (got {value!r})"
+                raise ModelError(problem, where=f"model.args.{name}")
 
 
 def build_model(model_cfg: dict[str, Any]) -> nn.Module:

@@ -12,6 +12,7 @@ from shoal.data import DataError, DataPlan, plan_data
 from shoal.spec.checks import (
     check_batches,
     check_checkpoint,
+    check_data_sizes,
     check_model,
     check_parallel,
     check_precision,
@@ -59,6 +60,7 @@ def run_checks(
             issues += check_vocab(workload, source, plan)
             if prepare_data and not issues:  # prepare (pack text: minutes) only a workload that can run
                 plan = plan_data(data, model, task, True, tokenizer, on_progress)
+            issues += check_data_sizes(workload, source, plan)
         except DataError as exc:
             issues.append(SpecIssue(source.where(exc.path), exc.path, str(exc)))
         issues += check_contract(workload, source, task, plan)

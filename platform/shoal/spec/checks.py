@@ -12,7 +12,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from shoal.data.sources import DataPlan
+from shoal.data.builtin import cache_dir, read_manifest
+from shoal.data.sources import DataPlan, training_manifest
 from shoal.degrees import DegreeError, Degrees
 from shoal.messages import VAL_PREFIX, Metric
 from shoal.models import ModelError, ParallelModel, check_args, model_class, model_task
@@ -95,8 +96,8 @@ def _check_module(workload: Workload, source: Source) -> tuple[str | None, list[
         task = model_task(cls, spec.task)
         check_args(cls, spec.args)
     except ModelError as exc:
-        path = "model.args" if "args" in str(exc) else where
-        return None, [_issue(source, path, str(exc))]
+        path = exc.where or ("model.args" if "args" in str(exc) else where)
+        return None, [_issue(source, path, exc.message)]
     return task, []
 
 
@@ -257,3 +258,39 @@ def check_vocab(workload: Workload, source: Source, plan: DataPlan | None) -> li
             f"{kind}): set it to at least {text.vocab_size}",
         )
     ]
+
+
+def check_data_sizes(workload: Workload, source: Source, plan: DataPlan | None) -> list[SpecIssue]:
+    """Batch sizes the training set can fill: one optimizer step takes the global batch
+    (data.batch_size x workers x accumulation) of distinct rows from it. Only where the
+    files are there to count (a built-in corpus is counted once it is prepared)."""
+    if plan is None:
+        return []
+    rows = training_manifest(plan).total_rows if plan.train else _prepared_builtin_rows(workload)
+    if rows is None:
+        return []
+    micro, high = workload.data.batch_size, workload.scaling.worker_range()[1]
+    wanted = workload.train.global_batch_size or micro * high
+    if wanted <= rows:
+        return []
+    path = "train.global_batch_size" if workload.train.global_batch_size else "data.batch_size"
+    origin = "data.builtin" if workload.data.builtin else "data.train.path"
+    return [
+        _issue(
+            source,
+            path,
+            f"one step takes {wanted:,} rows (data.batch_size {micro} x up to {high} workers"
+            f"{' x accumulation' if wanted > micro * high else ''}), more than the "
+            f"{rows:,} rows of the training set ({origin})",
+        )
+    ]
+
+
+def _prepared_builtin_rows(workload: Workload) -> int | None:
+    """The training rows of a built-in corpus already prepared in the cache (None if not)."""
+    if workload.data.builtin is None:
+        return None
+    seq_len = workload.data.seq_len or workload.model.args.get("seq_len")
+    prepared = read_manifest(cache_dir(workload.data.builtin, seq_len if isinstance(seq_len, int) else None))
+    rows = (prepared or {}).get("rows", {}).get("train")
+    return rows if isinstance(rows, int) else None

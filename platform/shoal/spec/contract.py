@@ -43,7 +43,9 @@ def check_contract(
     issues = [_issue(source, path, message) for path, message in _pipeline_contract(workload, task)]
     shapes, where = _sample_columns(workload, plan)
     spec = workload.model
-    built = _meta_model(workload)
+    built, build_problem = _meta_model(workload)
+    if build_problem is not None:
+        return [*issues, _issue(source, "model.args", build_problem)]
     if shapes is None or (built is None and spec.hf is not None):
         return issues  # no schema, or no class to read a signature from without loading the model
     try:
@@ -124,18 +126,31 @@ def _signature_problems(objective: Objective, available: list[str], where: str) 
     return problems
 
 
-def _meta_model(workload: Workload) -> Any:
-    """The model built on the meta device, or None where that cannot be done."""
+def _meta_model(workload: Workload) -> tuple[Any, str | None]:
+    """The model built on the meta device (None where that cannot be done), or the problem
+    its constructor has with the given args."""
     hf = workload.model.hf
     if hf is not None and hf.path is not None:
-        return None
+        return None, None
     model = workload.model.model_dump()
     try:
         model = model_config(model, window_length(workload.data.seq_len, workload.model.args))
         with torch.device("meta"):
-            return build_model(model)
-    except Exception:  # noqa: BLE001 - any failure means: not checkable on meta
-        return None
+            return build_model(model), None
+    except Exception as exc:  # noqa: BLE001 - the user's constructor may raise anything
+        if _meta_limit(exc):
+            return None, None  # not checkable on meta; the real run may well work
+        return None, f"building the model failed: {_first_line(exc)}"
+
+
+def _meta_limit(exc: BaseException) -> bool:
+    """An error of the meta device itself (no data, no `.item()`), not of the model."""
+    return isinstance(exc, NotImplementedError) or "meta" in str(exc).lower()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def _meta_trace(
@@ -148,15 +163,14 @@ def _meta_trace(
     except ModelError as exc:
         return [("model.loss" if workload.model.loss else "model", str(exc))]
     except Exception as exc:  # noqa: BLE001 - the user's forward may raise anything
-        if isinstance(exc, NotImplementedError) or "meta" in str(exc).lower():
+        if _meta_limit(exc):
             return []  # the meta device's limit, not the model's
         described = ", ".join(f"{k}: {d}{[rows, *s]}" for k, (s, d) in shapes.items())
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         return [
             (
                 "model",
                 f"one micro-batch ({described}) through the model and loss on the meta device "
-                f"failed: {type(exc).__name__}: {first_line}",
+                f"failed: {_first_line(exc)}",
             )
         ]
     return [

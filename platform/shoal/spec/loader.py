@@ -17,21 +17,11 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from shoal.errors import ShoalError
+from shoal.spec import bounded_yaml
 from shoal.spec.schema import Workload
 
 # PyYAML follows YAML 1.1, where `1e-3` is a string; users mean a float.
 _FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
-
-
-class _Loader(yaml.SafeLoader):
-    pass
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
-    list("-+0123456789."),
-)
 
 
 @dataclass
@@ -75,12 +65,15 @@ class Source:
             probe = probe.rpartition(".")[0]
 
 
-def parse_scalar(text: str) -> Any:
+def parse_scalar(text: str, where: str = "--set") -> Any:
     """Type a `--set` value the way YAML would, with `1e-3` read as a float."""
-    if _FLOAT.match(text.strip()):
+    if _FLOAT.match(text.strip()) and len(text) < 100:
         number = float(text)
         return int(text) if re.fullmatch(r"[-+]?\d+", text.strip()) else number
-    return yaml.load(text, Loader=_Loader)
+    try:
+        return bounded_yaml.parse(text)[0]
+    except bounded_yaml.YamlProblem as exc:
+        raise SpecError([SpecIssue(where, "", exc.message)]) from None
 
 
 def _line_index(node: yaml.Node, prefix: str, lines: dict[str, int]) -> None:
@@ -94,21 +87,26 @@ def _line_index(node: yaml.Node, prefix: str, lines: dict[str, int]) -> None:
 def read_yaml(path: str | Path) -> tuple[dict[str, Any], Source]:
     shown = str(path)
     try:
-        text = Path(path).read_text()
+        with open(path, "rb") as file:
+            raw = file.read(bounded_yaml.MAX_BYTES + 1)  # never more than the limit, whatever the file
     except FileNotFoundError:
         raise SpecError([SpecIssue(shown, "", "no such file")]) from None
     except OSError as exc:
         raise SpecError([SpecIssue(shown, "", f"cannot read ({exc.strerror})")]) from None
+    return parse_workload_text(raw, shown)
+
+
+def parse_workload_text(raw: bytes | str, shown: str) -> tuple[dict[str, Any], Source]:
+    """A workload document from any bytes (or text); `shown` names it in every problem."""
     try:
-        node = yaml.compose(text, Loader=_Loader)
-        data = yaml.load(text, Loader=_Loader)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{shown}:{mark.line + 1}" if mark else shown
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise SpecError([SpecIssue(where, "", f"malformed YAML: {problem}")]) from None
+        text = bounded_yaml.decode(raw) if isinstance(raw, bytes) else raw
+        data, node = bounded_yaml.parse(text)
+    except bounded_yaml.YamlProblem as exc:
+        where = f"{shown}:{exc.line}" if exc.line else shown
+        raise SpecError([SpecIssue(where, "", exc.message)]) from None
     if not isinstance(data, dict):
-        raise SpecError([SpecIssue(shown, "", "a workload must be a mapping of sections")])
+        got = "an empty file" if data is None else f"a {type(data).__name__}"
+        raise SpecError([SpecIssue(shown, "", f"a workload must be a mapping of sections (got {got})")])
     source = Source(shown)
     if node is not None:
         _line_index(node, "", source.lines)
@@ -131,7 +129,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], source: Source) 
                 where = ".".join(parents[: depth + 1])
                 raise SpecError([SpecIssue(f"--set {item}", where, "is not a section")])
             target = child
-        target[leaf] = parse_scalar(value)
+        target[leaf] = parse_scalar(value, f"--set {item}")
         source.overrides[key] = item
 
 
@@ -165,22 +163,35 @@ def describe_error(error: dict[str, Any]) -> str:
     }
     if kind in comparisons:
         bound = next(iter(ctx.values()))
-        return f"must be {comparisons[kind]} {bound:g} (got {got!r})"
+        shown = f"{bound:,}" if isinstance(bound, int) else f"{bound:g}"
+        return f"must be {comparisons[kind]} {shown} (got {_short(got)})"
     if kind == "literal_error":
-        return f"must be one of {ctx.get('expected')} (got {got!r})"
+        return f"must be one of {ctx.get('expected')} (got {_short(got)})"
     if kind in ("int_parsing", "int_type", "int_from_float"):
-        return f"must be an integer (got {got!r})"
+        return f"must be an integer (got {_short(got)})"
     if kind in ("float_parsing", "float_type"):
-        return f"must be a number (got {got!r})"
+        return f"must be a number (got {_short(got)})"
+    if kind == "string_type":
+        return f"must be a string (got {_short(got)})"
+    if kind in ("list_type", "tuple_type"):
+        return f"must be a list (got {_short(got)})"
+    if kind == "finite_number":
+        return f"must be a finite number (got {got!r})"
     if kind in ("bool_parsing", "bool_type"):
-        return f"must be true or false (got {got!r})"
+        return f"must be true or false (got {_short(got)})"
     if kind in ("model_type", "model_attributes_type", "dict_type"):
-        return f"must be a mapping (got {got!r})"
+        return f"must be a mapping (got {_short(got)})"
     if kind == "string_pattern_mismatch":
-        return f"must match {ctx.get('pattern')} (got {got!r})"
+        return f"must match {ctx.get('pattern')} (got {_short(got)})"
     if kind == "value_error":
         return str(ctx.get("error", error["msg"]))
-    return f"{error['msg'][0].lower()}{error['msg'][1:]} (got {got!r})"
+    return f"{error['msg'][0].lower()}{error['msg'][1:]} (got {_short(got)})"
+
+
+def _short(value: Any) -> str:
+    """A bad value as the user wrote it, cut short: the message stays one line."""
+    shown = repr(value)
+    return shown if len(shown) <= 80 else f"{shown[:77]}..."
 
 
 def _is_union_tag(part: Any) -> bool:

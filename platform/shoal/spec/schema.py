@@ -9,14 +9,14 @@ that each error can name its own path.
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     PositiveFloat,
-    PositiveInt,
     field_validator,
     model_validator,
 )
@@ -25,7 +25,28 @@ from shoal.messages import Metric
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    # strict: `true` is not a step count and "400" is not a number; no inf or nan anywhere
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, strict=True, allow_inf_nan=False)
+
+
+def _list_as_tuple(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value  # YAML has lists, not tuples
+
+
+# Sane ranges: far beyond any real run, short of the values that only a typo or a hostile
+# file gives (and that would overflow a tensor size, a seed or MLflow's doubles).
+STEPS = 10**9
+ROWS = 1 << 24
+WORKERS = 100_000
+DAY_S = 86_400.0
+Count = Annotated[int, Field(gt=0, le=STEPS)]  # steps, intervals, repetitions
+Rows = Annotated[int, Field(gt=0, le=ROWS)]  # rows and tokens per batch or group
+Workers = Annotated[int, Field(gt=0, le=WORKERS)]
+Degree = Annotated[int, Field(ge=-1, le=WORKERS)]  # -1: fill the rest of the world
+FloatPair = Annotated[tuple[float, float], BeforeValidator(_list_as_tuple)]
+
+# `package.module:name`: dotted identifiers only (no paths, no relative imports)
+IMPORT_TARGET = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 
 
 class HfModelSpec(Section):
@@ -55,11 +76,15 @@ class ModelSpec(Section):
         given = [name for name in ("family", "target", "hf") if getattr(self, name) is not None]
         if len(given) != 1:
             raise ValueError("give exactly one of 'family' (built-in), 'target' (module:Class) or 'hf'")
-        for name in ("target", "loss"):
-            value = getattr(self, name)
-            if value is not None and ":" not in value:
-                raise ValueError(f"{name} must look like 'package.module:name' (got {value!r})")
         return self
+
+    @field_validator("target", "loss")
+    @classmethod
+    def _importable_shape(cls, value: str | None) -> str | None:
+        if value is not None and not IMPORT_TARGET.fullmatch(value):
+            shown = value if len(value) <= 80 else f"{value[:77]}..."
+            raise ValueError(f"must look like 'package.module:name' (got {shown!r})")
+        return value
 
 
 class DatasetPath(Section):
@@ -70,15 +95,15 @@ class DataSpec(Section):
     builtin: Literal["digits", "pytext"] | None = None
     train: DatasetPath | None = None
     val: DatasetPath | None = None
-    batch_size: PositiveInt = 32
+    batch_size: Rows = 32
     cache: Literal["auto"] | bool = "auto"  # keep val batches in worker memory (auto: local, < 512 MB)
     # rows each lane of the epoch plan mixes at a time (data/epoch_plan.py); 0: no shuffle at all
-    shuffle_buffer: int = Field(8192, ge=0)
+    shuffle_buffer: int = Field(8192, ge=0, le=ROWS)
     accept_changed_data: bool = False  # resume although the data's manifest digest changed
     columns: dict[str, str] = Field(default_factory=dict)  # data column -> forward argument
-    seq_len: PositiveInt | None = None  # language models: tokens per example (windows of seq_len + 1)
+    seq_len: Rows | None = None  # language models: tokens per example (windows of seq_len + 1)
     text_column: str = "text"  # raw text (jsonl, parquet): the field that holds the text
-    rows_per_group: PositiveInt = 1024  # packed text: rows per parquet row group
+    rows_per_group: Rows = 1024  # packed text: rows per parquet row group
 
     @model_validator(mode="after")
     def _one_source(self) -> DataSpec:
@@ -91,31 +116,38 @@ class DataSpec(Section):
 
 class OptimizerSpec(Section):
     name: Literal["adamw", "sgd"] = "adamw"
-    lr: PositiveFloat = 1.0e-3
-    weight_decay: float = Field(0.0, ge=0)
+    lr: float = Field(1.0e-3, gt=0, le=100)
+    weight_decay: float = Field(0.0, ge=0, le=100)
     momentum: float = Field(0.9, ge=0, lt=1)
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: FloatPair = (0.9, 0.999)
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in betas):
+            raise ValueError(f"each beta must be in [0, 1) (got {list(betas)})")
+        return betas
 
 
 class ScheduleSpec(Section):
-    warmup_steps: int = Field(0, ge=0)
+    warmup_steps: int = Field(0, ge=0, le=STEPS)
     decay: Literal["cosine", "linear", "constant"] = "cosine"
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
 
 
 class TrainSpec(Section):
-    max_steps: PositiveInt | None = None
-    epochs: PositiveInt | None = None
-    global_batch_size: PositiveInt | None = None
+    max_steps: Count | None = None
+    epochs: Count | None = None
+    global_batch_size: Rows | None = None
     precision: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     compile: bool = False
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
-    clip_grad_norm: PositiveFloat | None = None
-    eval_every: PositiveInt | None = None
-    eval_batches: PositiveInt | None = None  # the first N val batches, all workers; None: all
-    seed: int = 0
+    clip_grad_norm: float | None = Field(None, gt=0, le=1e9)
+    eval_every: Count | None = None
+    eval_batches: Count | None = None  # the first N val batches, all workers; None: all
+    seed: int = Field(0, ge=0, lt=2**63)
 
     @model_validator(mode="after")
     def _one_length(self) -> TrainSpec:
@@ -128,17 +160,17 @@ class ParallelSpec(Section):
     """A strategy by name, or explicit degrees whose product is the world size (-1 fills)."""
 
     strategy: Literal["ddp", "fsdp", "hsdp", "tp", "pp", "hybrid"] | None = None
-    dp_replicate: int | None = None
-    dp_shard: int | None = None
-    tp: int | None = None
-    pp: int | None = None
+    dp_replicate: Degree | None = None
+    dp_shard: Degree | None = None
+    tp: Degree | None = None
+    pp: Degree | None = None
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
-    microbatches: PositiveInt | None = None  # per pipeline step; default: the number of stages
+    microbatches: Rows | None = None  # per pipeline step; default: the number of stages
 
 
 class ElasticWorkers(Section):
-    min: PositiveInt
-    max: PositiveInt
+    min: Workers
+    max: Workers
 
     @model_validator(mode="after")
     def _ordered(self) -> ElasticWorkers:
@@ -148,11 +180,11 @@ class ElasticWorkers(Section):
 
 
 class ScalingSpec(Section):
-    workers: PositiveInt | ElasticWorkers = 1
-    gpus_per_worker: float = Field(0, ge=0)
-    cpus_per_worker: PositiveFloat = 1
-    threads_per_worker: PositiveInt | None = None
-    resize_interval_s: PositiveFloat = 30  # elastic runs: how often to look for room to grow
+    workers: Workers | ElasticWorkers = 1
+    gpus_per_worker: float = Field(0, ge=0, le=64)
+    cpus_per_worker: float = Field(1, gt=0, le=4096)
+    threads_per_worker: int | None = Field(None, gt=0, le=4096)
+    resize_interval_s: float = Field(30, gt=0, le=DAY_S)  # elastic runs: how often to look for room to grow
 
     def worker_range(self) -> tuple[int, int]:
         if isinstance(self.workers, ElasticWorkers):
@@ -166,8 +198,8 @@ class KeepBest(Section):
 
 
 class CheckpointSpec(Section):
-    every_steps: PositiveInt | None = None
-    keep: PositiveInt = 3  # the latest K; keep_best adds the best one by a metric
+    every_steps: Count | None = None
+    keep: int = Field(3, gt=0, le=100_000)  # the latest K; keep_best adds the best one by a metric
     keep_best: KeepBest | None = None
     async_: bool = Field(False, alias="async")  # write in the background while training goes on
     storage: str = "./shoal_runs"  # a directory, or s3://bucket/prefix
@@ -175,13 +207,13 @@ class CheckpointSpec(Section):
 
 
 class FailureSpec(Section):
-    max_restarts: int = Field(3, ge=0)
-    hang_timeout_s: PositiveFloat = 600
-    worker_start_timeout_s: PositiveFloat = (
-        30  # a restart that cannot place its workers in time retries smaller
-    )
+    max_restarts: int = Field(3, ge=0, le=100_000)
+    hang_timeout_s: float = Field(600, gt=0, le=7 * DAY_S)
+    # a restart that cannot place its workers in time retries smaller
+    worker_start_timeout_s: float = Field(30, gt=0, le=DAY_S)
     on_nan: Literal["fail", "skip", "rollback"] = "fail"
-    max_nan_steps: int = Field(3, ge=0)  # non-finite steps skipped or rolled back before the run fails
+    # non-finite steps skipped or rolled back before the run fails
+    max_nan_steps: int = Field(3, ge=0, le=STEPS)
 
 
 class RegisterSpec(Section):
@@ -208,7 +240,7 @@ class TokenizerSpec(Section):
 
     type: Literal["byte", "hf", "train_bpe", "tiktoken_file"] = "byte"
     path: str | None = None  # hf: a folder or tokenizer.json; tiktoken_file: a .tiktoken file
-    vocab_size: PositiveInt | None = None  # train_bpe: the vocabulary to learn
+    vocab_size: Rows | None = None  # train_bpe: the vocabulary to learn
 
     @model_validator(mode="after")
     def _fits_type(self) -> TokenizerSpec:
@@ -222,14 +254,14 @@ class TokenizerSpec(Section):
 
 
 class StragglerSpec(Section):
-    factor: float = Field(1.5, gt=1)  # busier than the other workers' median by this factor...
-    steps: PositiveInt = 5  # ...for this many steps in a row
-    min_gap_s: float = Field(0.02, ge=0)  # ...and by at least this many seconds
+    factor: float = Field(1.5, gt=1, le=1e6)  # busier than the other workers' median by this factor...
+    steps: Count = 5  # ...for this many steps in a row
+    min_gap_s: float = Field(0.02, ge=0, le=DAY_S)  # ...and by at least this many seconds
 
 
 class ProfileSpec(Section):
-    start_step: PositiveInt  # the first profiled optimizer step
-    steps: PositiveInt = 3
+    start_step: Count  # the first profiled optimizer step
+    steps: int = Field(3, gt=0, le=10_000)
 
 
 class MonitorSpec(Section):
@@ -243,9 +275,9 @@ class SearchDomain(Section):
 
     choice: list[Any] | None = Field(None, min_length=1)  # sampled
     grid: list[Any] | None = Field(None, min_length=1)  # every value, crossed with the other grids
-    uniform: tuple[float, float] | None = None
-    loguniform: tuple[PositiveFloat, PositiveFloat] | None = None
-    randint: tuple[int, int] | None = None  # both bounds included
+    uniform: FloatPair | None = None
+    loguniform: Annotated[tuple[PositiveFloat, PositiveFloat], BeforeValidator(_list_as_tuple)] | None = None
+    randint: Annotated[tuple[int, int], BeforeValidator(_list_as_tuple)] | None = None  # both bounds included
 
     @model_validator(mode="after")
     def _exactly_one(self) -> SearchDomain:
@@ -274,13 +306,13 @@ class SweepSpec(Section):
     space: dict[str, SearchDomain] = Field(min_length=1)  # dotted spec path -> domain
     metric: str = Metric.VAL_LOSS.value
     mode: Literal["min", "max"] = "min"
-    samples: PositiveInt = 8  # trials (with grids: repetitions of the whole grid)
-    max_concurrent: PositiveInt = 2
+    samples: int = Field(8, gt=0, le=100_000)  # trials (with grids: repetitions of the whole grid)
+    max_concurrent: int = Field(2, gt=0, le=WORKERS)
     scheduler: Literal["fifo", "asha", "pbt"] = "asha"
     searcher: Literal["random", "grid", "optuna"] = "random"
-    grace_period: PositiveInt | None = None  # asha: steps before a trial may be stopped
-    reduction_factor: float = Field(2.0, gt=1)  # asha: keep 1/this many at each rung
-    perturbation_interval: PositiveInt | None = None  # pbt: steps between exploits
+    grace_period: Count | None = None  # asha: steps before a trial may be stopped
+    reduction_factor: float = Field(2.0, gt=1, le=1000)  # asha: keep 1/this many at each rung
+    perturbation_interval: Count | None = None  # pbt: steps between exploits
 
 
 class Workload(Section):
