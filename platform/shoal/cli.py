@@ -9,6 +9,7 @@ imports none of them and answers in ~0.15 s.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import tempfile
@@ -16,20 +17,20 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
 from rich.markup import escape
 
 from shoal import cli_data, cli_inspect, cli_runs
 from shoal.cli_options import shared_options
 from shoal.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, ShoalError
-from shoal.output import Col, FittedTable, Fold, iso_time, print_json
+from shoal.output import Col, FittedTable, Fold, RedactingConsole, iso_time, print_json
+from shoal.redact import redact_logs
 
 if TYPE_CHECKING:
     from shoal.launch import RunOptions
     from shoal.spec import LoadedWorkload
 
-console = Console(highlight=False)
-errors = Console(stderr=True, highlight=False)
+console = RedactingConsole(highlight=False)
+errors = RedactingConsole(stderr=True, highlight=False)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -340,6 +341,7 @@ def _train(loaded: LoadedWorkload, options: RunOptions) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    redact_logs(logging.getLogger("shoal"))
     handlers = {
         "run": cmd_run,
         "resume": cmd_resume,

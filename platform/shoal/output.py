@@ -16,13 +16,31 @@ from enum import StrEnum
 from typing import Any
 
 from rich.console import Console, ConsoleOptions, JustifyMethod, RenderResult
+from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
+
+from shoal.redact import redact
 
 BORDER = 3  # each column's padding (1 + 1) and its left border, in the default box
 OPTIONAL = 3  # columns of this priority or higher go before any column folds
 EMPTY = ("", "-")
 SHORT_TITLE = 24  # a table is made as wide as a title this short, so that it stays on one line
+
+
+class RedactingConsole(Console):
+    """A rich Console that masks the credentials of any URI in the text it prints: strings
+    before they are laid out (a URI folded over two lines is no longer one match), and
+    whatever renderables (tables) produce, as it is written."""
+
+    def print(self, *objects: Any, **kwargs: Any) -> None:
+        super().print(*(redact(o) if isinstance(o, str) else o for o in objects), **kwargs)
+
+    def out(self, *objects: Any, **kwargs: Any) -> None:
+        super().out(*(redact(o) if isinstance(o, str) else o for o in objects), **kwargs)
+
+    def _render_buffer(self, buffer: Iterable[Segment]) -> str:
+        return redact(super()._render_buffer(buffer))
 
 
 class Fold(StrEnum):

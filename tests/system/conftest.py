@@ -6,12 +6,15 @@ integration tests' shared Ray cluster is not attached to this process.
 
 from __future__ import annotations
 
+import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from shoal.launch.cluster import QUIET_ENV
+from tests.integration.helpers import wait_for
 
 # Node loss is noticed by the GCS's health checks (default: 5 misses of a 3 s check),
 # then Ray Train retries the old size for failure.worker_start_timeout_s before shrinking.
@@ -109,7 +113,9 @@ def ray_start_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayS
     logs = tmp_path_factory.mktemp("ray-start-logs")
     gcs_port, dashboard_port = _free_port(), _free_port()
     gcs = f"{get_node_ip_address()}:{gcs_port}"
-    env = {**os.environ, **QUIET_ENV, "RAY_AUTH_MODE": "token", "RAY_ADDRESS": gcs}
+    # A token of this cluster's own: a fresh machine has no ~/.ray/auth_token to fall back on.
+    token = secrets.token_hex(32)
+    env = {**os.environ, **QUIET_ENV, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "RAY_ADDRESS": gcs}
     ray_cli = str(Path(sys.executable).parent / "ray")
     head_args = [
         "--head",
@@ -136,3 +142,52 @@ def ray_start_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayS
     finally:
         for process in reversed(started):
             _stop_group(process)
+
+
+class MlflowServer:
+    def __init__(self, root: Path):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.root, self.process = root, None
+        self.uri = f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        command = [
+            sys.executable, "-m", "mlflow", "server",
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--backend-store-uri", f"sqlite:///{self.root / 'server.db'}",
+            "--artifacts-destination", str(self.root / "artifacts"),
+            "--workers", "1",
+        ]  # fmt: skip
+        log = open(self.root / "server.log", "a")  # noqa: SIM115 (closed with the process)
+        self.process = subprocess.Popen(command, stdout=log, stderr=log, start_new_session=True)
+        wait_for(self.healthy, 120, "the MLflow server to answer /health")
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)  # its own session: the server and its workers
+            self.process.wait()
+
+    def rest(self, path: str) -> dict:
+        with urllib.request.urlopen(f"{self.uri}/api/2.0/mlflow/{path}", timeout=10) as response:
+            return json.loads(response.read())
+
+
+@pytest.fixture
+def mlflow_server(tmp_path: Path) -> Iterator[MlflowServer]:
+    root = tmp_path / "mlflow-server"
+    root.mkdir()
+    server = MlflowServer(root)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.kill()

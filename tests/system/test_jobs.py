@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 from mlflow.tracking import MlflowClient
@@ -96,3 +97,55 @@ def test_a_missing_token_is_explained(workdir: Path, ray_start_cluster) -> None:
     assert code == 2, output
     assert "requires an authentication token (HTTP 401)" in output and "RAY_AUTH_TOKEN" in output
     assert "Traceback" not in output
+
+
+def test_credentials_in_uris_are_never_stored(workdir: Path, ray_start_cluster, mlflow_server) -> None:
+    """A run and a submitted job whose tracking URI carries a password: both track into the
+    server, and the password is in none of the run directory, the MLflow server's store and
+    artifacts, the job's info, its logs, or what shoal printed."""
+    cluster, secret = ray_start_cluster, f"marker{uuid.uuid4().hex}"
+    uri = mlflow_server.uri.replace("http://", f"http://shoal:{secret}@")
+    write_workload(workdir, quickstart(), "quickstart.yaml")
+    common = [
+        *("--set", f"tracking.uri={uri}", "--set", f"checkpoint.storage={workdir / 'shoal_runs'}"),
+        *("--set", "train.max_steps=10", "--set", "checkpoint.every_steps=5", "--set", "train.eval_every=5"),
+    ]
+    code, ran = finish(
+        shoal_cli(["run", "quickstart.yaml", "--run-name", "local", *common], workdir, **cluster.env)
+    )
+    assert code == 0, ran
+    code, submitted = finish(
+        shoal_cli(
+            ["submit", "quickstart.yaml", "--address", cluster.dashboard, *common], workdir, **cluster.env
+        )
+    )
+    assert code == 0 and "credentials in URIs are not sent with the job" in submitted, submitted
+    job_id = re.search(r"submitted Ray job (\S+)", submitted).group(1)
+    tracked = MlflowClient(mlflow_server.uri)
+    runs = tracked.search_runs([e.experiment_id for e in tracked.search_experiments()])
+    job_run = re.search(r"\(run (\S+)\)", submitted).group(1)
+    assert sorted(r.data.tags["shoal.run_name"] for r in runs) == sorted(["local", job_run])
+    assert all(r.info.status == "FINISHED" for r in runs)
+    assert len(runs) == 2 and all(loss_steps(tracked, r.info.run_id) == list(range(1, 11)) for r in runs)
+
+    shown = [ran, submitted]
+    for command in (["status", job_id], ["logs", job_id], ["list"]):
+        code, out = finish(
+            shoal_cli(["jobs", *command, "--address", cluster.dashboard], workdir, **cluster.env)
+        )
+        assert code == 0, out
+        shown.append(out)
+    info = (
+        f"from shoal.launch import jobs; print(jobs.client({cluster.dashboard!r}).get_job_info({job_id!r}))"
+    )
+    job = subprocess.run(
+        [sys.executable, "-c", info], env=cluster.env, capture_output=True, text=True, timeout=120, check=True
+    )
+    assert "entrypoint=" in job.stdout and "mlflow_tracking_uri" in job.stdout, job.stdout + job.stderr
+    shown.append(job.stdout)
+    assert all(secret not in text for text in shown), [text for text in shown if secret in text][0]
+    leaked = [p for p in workdir.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+    assert leaked == [], leaked  # run dirs, logs, server.db, artifacts
+    assert (
+        any(p.name == "server.db" for p in workdir.rglob("*")) and (workdir / "shoal_runs" / "local").is_dir()
+    )

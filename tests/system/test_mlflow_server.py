@@ -4,22 +4,17 @@ metrics written meanwhile are buffered and sent: none lost, none twice."""
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 from mlflow.tracking import MlflowClient
 
 from tests.conftest import write_workload
 from tests.integration.helpers import shoal_cli, wait_for
+from tests.system.conftest import MlflowServer
 
 STEPS = 150
 SLOW_MODEL = """
@@ -38,55 +33,6 @@ class Slow(torch.nn.Module):
             time.sleep(0.05)  # long enough a run for the server to die and come back under it
         return self.body(x)
 """
-
-
-class MlflowServer:
-    def __init__(self, root: Path):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
-        self.root, self.process = root, None
-        self.uri = f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        command = [
-            sys.executable, "-m", "mlflow", "server",
-            "--host", "127.0.0.1", "--port", str(self.port),
-            "--backend-store-uri", f"sqlite:///{self.root / 'server.db'}",
-            "--artifacts-destination", str(self.root / "artifacts"),
-            "--workers", "1",
-        ]  # fmt: skip
-        log = open(self.root / "server.log", "a")  # noqa: SIM115 (closed with the process)
-        self.process = subprocess.Popen(command, stdout=log, stderr=log, start_new_session=True)
-        wait_for(self.healthy, 120, "the MLflow server to answer /health")
-
-    def healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as response:
-                return response.status == 200
-        except OSError:
-            return False
-
-    def kill(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)  # its own session: the server and its workers
-            self.process.wait()
-
-    def rest(self, path: str) -> dict:
-        with urllib.request.urlopen(f"{self.uri}/api/2.0/mlflow/{path}", timeout=10) as response:
-            return json.loads(response.read())
-
-
-@pytest.fixture
-def mlflow_server(tmp_path: Path) -> Iterator[MlflowServer]:
-    root = tmp_path / "mlflow-server"
-    root.mkdir()
-    server = MlflowServer(root)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.kill()
 
 
 def test_server_outage_is_buffered_and_runs_are_browsable(workdir: Path, mlflow_server: MlflowServer) -> None:

@@ -103,6 +103,31 @@ def test_a_fresh_run_dir_gets_a_fresh_mlflow_run(tmp_path: Path) -> None:
     assert _open(tmp_path, resume=True, run_dir="/runs/other").run_id != first.run_id
 
 
+@pytest.mark.parametrize("left", ["RUNNING", "FAILED", "KILLED"])
+def test_a_run_left_without_a_checkpoint_is_taken_over_by_the_next_driver(tmp_path: Path, left: str) -> None:
+    """The driver died (or failed, or was stopped) before its first checkpoint: the same
+    command again continues that MLflow run from step 0, no step logged twice, and it ends
+    FINISHED instead of staying RUNNING for ever."""
+    first = _open(tmp_path, resume=False)
+    recorder = Recorder(first)
+    recorder.handle(_report(range(1, 7), [_eval(5, 0.5)]))
+    if left != "RUNNING":  # RUNNING: a SIGKILLed driver, no handler ran
+        recorder.finish(left)
+
+    again = _open(tmp_path, resume=False)
+    assert again.run_id == first.run_id and again.taken_over_from == left and again.logged_until == 6
+    recorder = Recorder(again)
+    recorder.handle(_report(range(1, 11), [_eval(5, 0.5), _eval(10, 0.3)]))  # trained from step 0
+    recorder.finish("FINISHED")
+    client = MlflowClient(again.uri)
+    steps = [m.step for m in client.get_metric_history(again.run_id, "train/loss")]
+    assert sorted(steps) == list(range(1, 11))  # each step once
+    assert [m.step for m in client.get_metric_history(again.run_id, "val/loss")] == [5, 10]
+    run = client.get_run(again.run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["shoal.taken_over_from"] == left
+    assert len(client.search_runs([run.info.experiment_id])) == 1
+
+
 class _ReadsBackOnEachCall:
     """A sweep's observer: Tune may end the trial the moment it hears, so what it hears of
     must already be in MLflow."""

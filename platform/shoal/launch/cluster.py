@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shoal.errors import ShoalError
+from shoal.redact import redact_logs
 
 # Quiet defaults, set before Ray starts so that its processes inherit them.
 QUIET_ENV = {
@@ -64,12 +65,14 @@ def quiet_ray_logging(log_file: Path | None, verbose: bool) -> None:
     """Send Ray's Python loggers to the run's log file instead of the terminal."""
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
+    redact_logs(logging.getLogger("shoal"))
     if verbose or log_file is None:
         return
     log_file.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(log_file)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     handler.setLevel(logging.INFO)
+    redact_logs(handler)  # Ray's and MLflow's messages may quote a URI with its credentials
     for name in ("ray", "ray.train", "ray.data", "ray.tune", "mlflow", "alembic"):
         logger = logging.getLogger(name)
         logger.handlers = [handler]

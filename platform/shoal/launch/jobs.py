@@ -25,6 +25,7 @@ from mlflow.tracking import MlflowClient
 
 from shoal.errors import ShoalError
 from shoal.launch.run import default_run_name
+from shoal.redact import has_credentials, redact, without_credentials
 from shoal.spec import load
 from shoal.tracking import resolve_uri
 from shoal.tracking.mlflow_run import RUN_NAME_TAG
@@ -122,6 +123,24 @@ def _precreate_run(uri: str, experiment: str, run_name: str, job_tags: dict[str,
     return mlflow.create_run(experiment_id, run_name=run_name, tags=tags).info.run_id
 
 
+CREDENTIALS_STAY_HERE = (
+    "credentials in URIs are not sent with the job (its entrypoint and metadata are readable by "
+    "anyone with access to the cluster): the job takes them from the cluster's environment "
+    "(MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD or MLFLOW_TRACKING_TOKEN, AWS_* or "
+    "~/.aws/credentials)"
+)
+
+
+def _sent_override(item: str) -> str:
+    """`key=value` as the job's entrypoint carries it: without credentials in the value."""
+    key, equals, value = item.partition("=")
+    return f"{key}{equals}{without_credentials(value)}" if has_credentials(value) else item
+
+
+def _join(first: str | None, second: str) -> str:
+    return f"{first}; {second}" if first else second
+
+
 def submit(
     file: str,
     address: str | None,
@@ -150,13 +169,20 @@ def submit(
     except Exception as exc:  # the store may be reachable from the cluster only
         run_id = None
         warning = f"could not create the MLflow run from here ({exc}); the job creates it on the cluster"
+    sent = [_sent_override(item) for item in [*overrides, f"tracking.uri={uri}"]]
+    if sent != [*overrides, f"tracking.uri={uri}"]:
+        warning = _join(warning, CREDENTIALS_STAY_HERE)
     command = [python or (sys.executable if local_cluster else "python3")]
     command += ["-m", "shoal.cli", "run", str(spec_path.relative_to(root)), "--run-name", run_name]
-    for item in [*overrides, f"tracking.uri={uri}"]:
+    for item in sent:
         command += ["--set", item]
     if run_id:
         command += ["--mlflow-run-id", run_id]
-    metadata = {"shoal.run_name": run_name, "shoal.workload": w.name, "mlflow_tracking_uri": uri}
+    metadata = {
+        "shoal.run_name": run_name,
+        "shoal.workload": w.name,
+        "mlflow_tracking_uri": without_credentials(uri),
+    }
     if run_id:
         metadata["mlflow_run_id"] = run_id
     job_id = jobs.submit_job(
@@ -170,7 +196,7 @@ def submit(
     )
     if run_id:
         MlflowClient(tracking_uri=uri).set_tag(run_id, "shoal.ray_job_id", job_id)
-    return Submission(job_id, run_name, run_id, uri, warning)
+    return Submission(job_id, run_name, run_id, redact(uri), warning and redact(warning))
 
 
 async def _follow(jobs: Any, job_id: str, write: Any) -> None:

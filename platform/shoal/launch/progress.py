@@ -13,6 +13,7 @@ from rich.table import Table
 
 from shoal.launch.run import RunResult
 from shoal.messages import Event, EventKind, Metric
+from shoal.redact import without_credentials
 
 
 def _fmt(value: float) -> str:
@@ -107,6 +108,7 @@ EVENT_LINES: dict[EventKind, Callable[[dict[str, Any]], str]] = {
 
 
 def browse_command(uri: str) -> str:
+    uri = without_credentials(uri)  # a browser or `shoal runs` asks for them, or has them
     if uri.startswith(("http://", "https://")):
         return f"open {uri} (or: shoal runs list --tracking-uri {uri})"
     cwd_db = "sqlite:///" + str(Path("mlflow.db").resolve())

@@ -21,6 +21,7 @@ from shoal.launch.cluster import QUIET_ENV, ClusterError, quiet_ray_logging, ray
 from shoal.launch.retention import BestKeeper
 from shoal.launch.storage import Storage, open_storage, probe
 from shoal.messages import EventKind, Metric
+from shoal.redact import without_credentials_data
 from shoal.spec import LoadedWorkload
 from shoal.tracking import Observer, Recorder, open_run, resolve_uri
 from shoal.tracking.drain import Drainer
@@ -273,10 +274,17 @@ def run(
             run_dir=storage.run_uri(run_name),
             resume=bool(storage.checkpoints(run_name)),
             resolved_spec=resolved,
-            spec_yaml=yaml.safe_dump(resolved, sort_keys=False),
+            spec_yaml=yaml.safe_dump(without_credentials_data(resolved), sort_keys=False),
             tags=tags,
             run_id=options.mlflow_run_id,
         )
+        if tracked.taken_over_from:
+            log.warning(
+                "MLflow run %s was left %s by a driver that stopped before its first checkpoint; "
+                "this run continues it, training again from step 0 (steps it logged are not logged twice)",
+                tracked.run_id,
+                tracked.taken_over_from,
+            )
         if loaded.data and loaded.data.text and (run_dir / "tokenizer").is_dir():
             tracked.log_artifact(str(run_dir / "tokenizer"), "tokenizer")
         recorder = Recorder(tracked, observer, run_dir, tensorboard=w.monitor.tensorboard)

@@ -11,11 +11,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse
 
 import pyarrow.fs as pafs
 
 from shoal.errors import ShoalError
+from shoal.redact import redact
 from shoal.worker.checkpoint.format import checkpoint_steps
 
 LOCAL_RUNS = "./shoal_runs"
@@ -68,18 +69,31 @@ class Storage:
         )
 
 
+def _endpoint_options(endpoint: str) -> dict[str, Any]:
+    """S3FileSystem's options for `checkpoint.endpoint`. Credentials written into it
+    (`https://KEY:SECRET@host`) are used to open the storage and never recorded;
+    without them, pyarrow finds them in AWS_* variables or ~/.aws/credentials."""
+    parsed = urlparse(endpoint if "://" in endpoint else f"https://{endpoint}")
+    host = parsed.hostname or ""
+    netloc = f"[{host}]" if ":" in host else host
+    options: dict[str, Any] = {"endpoint_override": f"{netloc}:{parsed.port}" if parsed.port else netloc}
+    options["scheme"] = parsed.scheme
+    if parsed.username and parsed.password:
+        options.update(access_key=unquote(parsed.username), secret_key=unquote(parsed.password))
+    return options
+
+
 def open_storage(storage: str, endpoint: str | None = None) -> Storage:
     """The filesystem for `checkpoint.storage` (and `checkpoint.endpoint` for S3-compatible servers)."""
     if storage.startswith("s3://"):
         bucket_and_prefix = storage[len("s3://") :].strip("/")
         options: dict[str, Any] = {}
         if endpoint:
-            parsed = urlparse(endpoint if "://" in endpoint else f"https://{endpoint}")
-            options = {"endpoint_override": parsed.netloc, "scheme": parsed.scheme}
+            options = _endpoint_options(endpoint)
         try:
             filesystem = pafs.S3FileSystem(**options)
         except Exception as exc:
-            raise StorageError(f"checkpoint.storage: cannot open {storage}: {exc}") from exc
+            raise StorageError(f"checkpoint.storage: cannot open {storage}: {redact(str(exc))}") from exc
         return Storage(f"s3://{bucket_and_prefix}", bucket_and_prefix, filesystem, remote=True)
     if "://" in storage:
         raise StorageError(f"checkpoint.storage: '{storage}' is neither a directory nor s3://bucket/prefix")

@@ -23,7 +23,7 @@ from shoal.launch.cluster import probe as probe_cluster
 from shoal.launch.storage import StorageError, open_storage
 from shoal.launch.storage import probe as probe_storage
 from shoal.plan.catalog import gpu_for_device
-from shoal.tracking.mlflow_run import FAST_FAIL_ENV
+from shoal.tracking.mlflow_run import CLIENT_ENV
 
 OK, FAIL, NOT_APPLICABLE = "✓", "✗", "–"
 PINNED = {"torch": "2.13", "ray": "2.60", "mlflow": "3.17"}  # pyproject's tested versions
@@ -140,7 +140,7 @@ def tracking(uri: str) -> list[Check]:
             ok = parent.is_dir() and os.access(parent, os.W_OK)
             hint = "" if ok else f"{parent} is not a writable directory: set tracking.uri"
             return [Check("mlflow", OK if ok else FAIL, f"{uri}: created on the first run", hint)]
-    for key, value in FAST_FAIL_ENV.items():
+    for key, value in CLIENT_ENV.items():
         os.environ.setdefault(key, value)
     try:
         count = len(MlflowClient(tracking_uri=uri).search_experiments(max_results=100))

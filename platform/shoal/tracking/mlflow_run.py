@@ -28,6 +28,7 @@ from mlflow.tracking import MlflowClient
 
 from shoal.errors import ShoalError
 from shoal.messages import Metric as MetricName  # mlflow.entities.Metric is a logged point
+from shoal.redact import redact, without_credentials
 
 RUN_NAME_TAG = "shoal.run_name"
 RUN_DIR_TAG = "shoal.run_dir"
@@ -36,10 +37,13 @@ PARAM_LIMIT = 6000
 RETRY_EVERY_S = 5.0  # while the store is unreachable, how often buffered writes are retried
 # MLflow's HTTP client retries 7 times with exponential backoff (minutes per call) by default;
 # shoal buffers and retries itself, so each call may fail fast. The user's settings win.
-FAST_FAIL_ENV = {
+CLIENT_ENV = {
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
     "MLFLOW_HTTP_REQUEST_TIMEOUT": "30",
+    # MLflow prints "View run at <tracking URI>" itself, credentials and all; shoal's summary
+    # names the run without them.
+    "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
 }
 log = logging.getLogger("shoal")
 
@@ -108,6 +112,9 @@ class TrackedRun:
     resumed: bool
     logged_until: int = 0  # highest step already logged for train/loss
     uri: str = ""
+    # The status an earlier driver of this run name left, when it stopped before its first
+    # checkpoint and this driver took its MLflow run over (training again from step 0).
+    taken_over_from: str | None = None
     params_changed: list[str] = field(default_factory=list)
     # Writes the store has not taken yet (it is down or unreachable), sent in order later.
     pending: deque[Callable[[], None]] = field(default_factory=deque)
@@ -160,11 +167,11 @@ class TrackedRun:
             self._write(lambda chunk=chunk: self.client.log_batch(self.run_id, metrics=chunk))
 
     def set_tags(self, tags: dict[str, Any]) -> None:
-        batch = [RunTag(k, str(v)) for k, v in tags.items()]
+        batch = [RunTag(k, redact(str(v))) for k, v in tags.items()]
         self._write(lambda: self.client.log_batch(self.run_id, tags=batch))
 
     def log_json(self, data: Any, name: str) -> None:
-        text = json.dumps(data, indent=2, default=str)
+        text = redact(json.dumps(data, indent=2, default=str))
         self._write(lambda: self.client.log_text(self.run_id, text, name))
 
     def log_artifact(self, local_path: str, artifact_path: str | None = None) -> None:
@@ -228,8 +235,28 @@ def _find_run(client: MlflowClient, experiment_id: str, run_name: str, run_dir: 
     return found[0].info.run_id if found else None
 
 
+def _earlier_run(
+    client: MlflowClient, experiment_id: str, run_name: str, run_dir: str, resume: bool
+) -> tuple[str | None, str | None]:
+    """The MLflow run this job continues, and the status it had when a driver left it
+    without a checkpoint (None when there is nothing to take over).
+
+    With checkpoints, the run of this name and directory resumes. Without any, a run of
+    that name which never FINISHED was left by a driver that died (or failed, or was
+    stopped) before its first checkpoint: this job takes it over and trains from step 0;
+    the steps it had logged are not logged again (the recorder skips them). A FINISHED
+    one stays as it is: its checkpoints are gone, so this is a new job.
+    """
+    found = _find_run(client, experiment_id, run_name, run_dir)
+    if found is None or resume:
+        return found if resume else None, None
+    status = client.get_run(found).info.status
+    return (found, status) if status != "FINISHED" else (None, None)
+
+
 def _log_params(run: TrackedRun, params: dict[str, str]) -> None:
     existing = run.client.get_run(run.run_id).data.params if run.resumed else {}
+    params = {key: redact(value) for key, value in params.items()}
     new = [Param(k, v) for k, v in params.items() if k not in existing]
     run.params_changed = [k for k, v in params.items() if k in existing and existing[k] != v]
     for start in range(0, len(new), 100):
@@ -252,18 +279,23 @@ def open_run(
     `resume` is true when the run directory holds checkpoints: a run name whose
     checkpoints are gone starts afresh, in a new MLflow run. A `run_id` made
     beforehand (by `shoal submit`, or a sweep for its trial) is used instead.
+    Credentials in URIs (the tracking URI's, the spec's) are never written to the run:
+    `spec_yaml` should come without them (`redact.without_credentials_data`); what is left
+    of them anywhere is masked.
     """
-    for key, value in FAST_FAIL_ENV.items():
+    for key, value in CLIENT_ENV.items():
         os.environ.setdefault(key, value)
     client = MlflowClient(tracking_uri=uri)
-    with tracking_errors(f"MLflow at '{uri}'"):
+    run_dir = without_credentials(run_dir)
+    with tracking_errors(f"MLflow at '{redact(uri)}'"):
         found = client.get_experiment_by_name(experiment)
         experiment_id = found.experiment_id if found else client.create_experiment(experiment)
-        if run_id is None and resume:
-            run_id = _find_run(client, experiment_id, run_name, run_dir)
+        stale = None
+        if run_id is None:
+            run_id, stale = _earlier_run(client, experiment_id, run_name, run_dir, resume)
         # A run made beforehand is resumed once it holds steps (a restarted sweep trial).
         history = client.get_metric_history(run_id, MetricName.TRAIN_LOSS.value) if run_id else []
-        resumed = run_id is not None and (resume or bool(history))
+        resumed = run_id is not None and (resume or bool(history) or stale is not None)
         identity = {RUN_NAME_TAG: run_name, RUN_DIR_TAG: run_dir}
         if run_id is None:
             run_id = client.create_run(experiment_id, run_name=run_name, tags=identity).info.run_id
@@ -271,14 +303,16 @@ def open_run(
             client.update_run(run_id, status="RUNNING")
             for key, value in identity.items():
                 client.set_tag(run_id, key, value)
-        run = TrackedRun(client, run_id, experiment_id, resumed, uri=uri)
+        run = TrackedRun(client, run_id, experiment_id, resumed, uri=uri, taken_over_from=stale)
+        if stale is not None:
+            run.set_tags({"shoal.taken_over_from": stale})
         if resumed:
             run.logged_until = max((m.step for m in history), default=0)
         _log_params(run, flatten(resolved_spec))
         run.set_tags({**version_tags(), **tags})
         if run.params_changed:
             run.set_tags({"shoal.params_changed_on_resume": ",".join(run.params_changed)})
-        client.log_text(run_id, spec_yaml, "workload.yaml")
+        client.log_text(run_id, redact(spec_yaml), "workload.yaml")
     return run
 
 
