@@ -73,18 +73,57 @@ def test_ctrl_c_and_killed_driver_resume_into_the_same_mlflow_run(workdir: Path,
     assert again.returncode == 2 and "already FINISHED" in err and "Traceback" not in err
 
 
+def test_a_driver_killed_before_its_first_checkpoint_leaves_no_run_running(
+    workdir: Path, ray_cluster: str
+) -> None:
+    """SIGKILL before any checkpoint, then the same command again: it takes the RUNNING
+    MLflow run over, trains from step 0 and finishes it, each step logged once."""
+    spec = str(WORKLOADS / "quickstart.yaml")
+    args = ["run", spec, "--address", ray_cluster, "--run-name", "early", "--set", "train.max_steps=300"]
+    args += ["--set", "checkpoint.every_steps=300", "--set", "train.eval_every=1000"]
+    client = MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
+
+    def logged() -> list:
+        found = client.get_experiment_by_name("quickstart")
+        return client.search_runs([found.experiment_id]) if found else []
+
+    driver = shoal_cli(args, workdir)
+    wait_for(
+        lambda: driver.poll() is not None or (logged() and loss_steps(client, logged()[0].info.run_id)),
+        300,
+        "steps",
+    )
+    assert driver.poll() is None, "the run ended before it could be killed"
+    driver.send_signal(signal.SIGKILL)
+    driver.communicate(timeout=60)
+    (orphan,) = logged()
+    assert orphan.info.status == "RUNNING" and not list(
+        (workdir / "shoal_runs" / "early").glob("checkpoint-*")
+    )
+
+    again = shoal_cli(args, workdir)
+    out, err = again.communicate(timeout=400)
+    assert again.returncode == 0, err
+    assert f"MLflow run {orphan.info.run_id} was left RUNNING" in err and "Traceback" not in err
+    (run,) = logged()
+    assert run.info.run_id == orphan.info.run_id and run.info.status == "FINISHED"
+    assert run.data.tags["shoal.taken_over_from"] == "RUNNING"
+    assert loss_steps(client, run.info.run_id) == list(range(1, 301))
+
+
 def _mount_tmpfs(path: Path, options: str) -> None:
     path.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], check=True)
 
 
 @needs_root
-def test_full_storage_fails_clearly_and_keeps_earlier_checkpoints(workdir: Path) -> None:
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
+def test_full_storage_fails_clearly_and_keeps_earlier_checkpoints(workdir: Path, background: bool) -> None:
     small = workdir / "small"
     _mount_tmpfs(small, "size=1200k")  # room for about three checkpoints of the quickstart CNN
     try:
         data = quickstart()
-        data["checkpoint"].update(every_steps=20, keep=10, storage=str(small))
+        data["checkpoint"].update(every_steps=20, keep=10, storage=str(small), **{"async": background})
         data["failure"]["max_restarts"] = 0
         result = run_workload(workdir, data, ["train.eval_every=1000"], "full")
         assert result.status == "FAILED"
@@ -95,6 +134,17 @@ def test_full_storage_fails_clearly_and_keeps_earlier_checkpoints(workdir: Path)
         assert committed, "no checkpoint was committed before the storage filled up"
         for directory in committed:
             assert checkpoint_format.verify(directory) is None, directory
+        assert len(result.reason.splitlines()) == 1
+
+        # Room again: the same run name resumes from the newest committed checkpoint, never
+        # from what the full disk left half written.
+        subprocess.run(["mount", "-o", "remount,size=16m", str(small)], check=True)
+        newest = max(int(p.name.removeprefix("checkpoint-")) for p in committed)
+        again = run_workload(workdir, data, ["train.eval_every=1000"], "full")
+        assert again.status == "FINISHED" and again.run_id == result.run_id, again.reason
+        assert again.resumed_from == newest
+        client = MlflowClient(again.tracking_uri)
+        assert loss_steps(client, again.run_id) == list(range(1, data["train"]["max_steps"] + 1))
     finally:
         subprocess.run(["umount", "-l", str(small)], check=False)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from shoal.launch.retention import BestKeeper
-from shoal.launch.storage import StorageError, open_storage, probe
+from shoal.launch.storage import RAY_CHECKPOINT_RECORD, StorageError, open_storage, probe
 
 
 def test_local_and_s3_storage_are_told_apart(tmp_path: Path) -> None:
@@ -63,3 +63,21 @@ def test_best_keeper_copies_each_new_best_and_survives_restarts(tmp_path: Path) 
     assert accuracy.offer(_checkpoint(tmp_path, 70), 70, 0.9) and not accuracy.offer(
         _checkpoint(tmp_path, 80), 80, 0.8
     )
+
+
+def test_a_checkpoint_record_cut_short_is_set_aside_and_the_newest_checkpoint_named(tmp_path: Path) -> None:
+    """A full disk cut Ray Train's record of the checkpoints short: Ray's controller would not
+    start; shoal moves it aside and names the newest checkpoint for the workers to restore."""
+    storage = open_storage(str(tmp_path))
+    run = tmp_path / "r"
+    for step in (20, 40, 60):
+        (run / f"checkpoint-{step:08d}").mkdir(parents=True)
+    assert storage.set_aside_unreadable_record("r") is None  # no record yet
+    record = run / RAY_CHECKPOINT_RECORD
+    record.write_text(json.dumps({"checkpoints": ["checkpoint-00000060"]}))
+    assert storage.set_aside_unreadable_record("r") is None and record.exists()  # a sound one stays
+    record.write_text('{"checkpoints": ["checkpoint-000')
+    assert storage.set_aside_unreadable_record("r") == f"{run}/checkpoint-00000060"
+    assert not record.exists() and (run / f"{RAY_CHECKPOINT_RECORD}.unreadable").exists()
+    record.write_bytes(b'{"name": "\xe2\x82')  # cut inside a character
+    assert storage.set_aside_unreadable_record("r") == f"{run}/checkpoint-00000060"

@@ -61,6 +61,7 @@ def trainer(
     report_interval_s: float = 1e9,
     audit: bool = False,
     latest: str | None = None,
+    own_latest: str | None = None,
 ) -> tuple[Trainer, LocalContext]:
     (tmp_path / "storage").mkdir(parents=True, exist_ok=True)
     context = LocalContext(tmp_path / "storage", latest=latest)
@@ -72,6 +73,7 @@ def trainer(
         threads_per_worker=1,
         train_manifest=parquet_manifest(tmp_path / "data", data),
         audit_samples=audit,
+        own_latest=own_latest,
     )
     return Trainer(config, context), context
 
@@ -101,6 +103,24 @@ def test_checkpoints_every_n_steps_and_at_the_end(tmp_path: Path) -> None:
     # What was recorded since the previous checkpoint travels in the next one.
     state = json.loads((tmp_path / "storage" / "checkpoint-00000006" / "trainer_state.json").read_text())
     assert [int(r["step"]) for r in state["recent"]["steps"]] == [4, 5, 6]
+
+
+def test_without_ray_trains_record_the_run_resumes_from_its_newest_intact_checkpoint(tmp_path: Path) -> None:
+    """Ray Train's record of the checkpoints was set aside (a full disk cut it short): the
+    driver names the newest one; one that is only partly written is passed over."""
+    data = rows(80)
+    t, _ = trainer(tmp_path, workload(train={"max_steps": 4}, checkpoint={"every_steps": 2}), data)
+    t.run()
+    storage = tmp_path / "storage"
+    (storage / "checkpoint-00000004" / checkpoint_format.TRAINER_STATE).unlink()  # half written
+    w = workload(train={"max_steps": 6}, checkpoint={"every_steps": 2})
+    t, context = trainer(tmp_path, w, data, own_latest=str(storage / "checkpoint-00000004"))
+    t.run()
+    (start,) = context.events("attempt_started")
+    assert start["restored_step"] == 2 and context.events("checkpoint_rejected")
+    # steps 1-2 travel again with checkpoint 2 (the driver logs only what it has not); 3-6 trained
+    assert [int(r["step"]) for r in context.step_records()] == [1, 2, 3, 4, 5, 6]
+    assert t.position.step == 6 and t.position.samples == 6 * MICRO
 
 
 def test_a_report_interval_of_zero_reports_every_step(tmp_path: Path) -> None:

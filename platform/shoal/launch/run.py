@@ -130,7 +130,7 @@ def _threads_per_worker(scaling: Any) -> int:
 
 
 def _worker_config(
-    loaded: LoadedWorkload, run_dir: Path, options: RunOptions, manifest: Manifest
+    loaded: LoadedWorkload, run_dir: Path, options: RunOptions, manifest: Manifest, own_latest: str | None
 ) -> WorkerConfig:
     assert loaded.data is not None
     val = validation_manifest(loaded.data)
@@ -146,6 +146,7 @@ def _worker_config(
         sys_path=(os.getcwd(),),
         audit_samples=os.environ.get("SHOAL_AUDIT_SAMPLES") == "1",
         init_from=options.init_from,
+        own_latest=own_latest,
     )
 
 
@@ -251,6 +252,12 @@ def run(
     run_dir = storage.local_run_dir(run_name)
     probe(storage)
     quiet_ray_logging(run_dir / "logs" / "driver.log", options.verbose)
+    if own_latest := storage.set_aside_unreadable_record(run_name):
+        log.warning(
+            "Ray Train's record of the checkpoints in %s was cut short (a full disk?); it is set "
+            "aside and the run resumes from the newest intact checkpoint there",
+            storage.run_uri(run_name),
+        )
     loaded = replace(loaded, data=keep_run_tokenizer(loaded.data, run_dir, log.info))  # raw text
     manifest = training_manifest(loaded.data)
     micro, global_batch = w.data.batch_size, global_batch_size(w)
@@ -298,7 +305,7 @@ def run(
                 loaded,
                 run_name,
                 storage,
-                _worker_config(loaded, run_dir, options, manifest),
+                _worker_config(loaded, run_dir, options, manifest, own_latest),
                 queue,
                 session.started_here,
             )

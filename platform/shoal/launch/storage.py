@@ -20,6 +20,9 @@ from shoal.redact import redact
 from shoal.worker.checkpoint.format import checkpoint_steps
 
 LOCAL_RUNS = "./shoal_runs"
+# Ray Train 2.60's record of a run's checkpoints, rewritten in place at each one: a disk that
+# fills while it is written leaves it cut short, and Ray's controller then cannot start.
+RAY_CHECKPOINT_RECORD = "checkpoint_manager_snapshot.json"
 
 
 class StorageError(ShoalError):
@@ -48,6 +51,19 @@ class Storage:
         """The run's checkpoint directory names, oldest first."""
         steps = checkpoint_steps(self.filesystem, self.run_path(run_name))
         return sorted(steps, key=steps.get)
+
+    def set_aside_unreadable_record(self, run_name: str) -> str | None:
+        """When Ray Train's record of this run's checkpoints cannot be read, move it aside
+        (to `.unreadable`) and return the run's newest checkpoint: the workers restore that
+        one, or the newest intact one before it. None when the record is fine or absent."""
+        path = f"{self.run_path(run_name)}/{RAY_CHECKPOINT_RECORD}"
+        try:
+            self.read_json(path)
+            return None
+        except ValueError:  # cut short (JSON), or cut inside a character (UTF-8)
+            self.filesystem.move(path, f"{path}.unreadable")
+        names = self.checkpoints(run_name)
+        return f"{self.run_uri(run_name)}/{names[-1]}" if names else None
 
     def read_json(self, path: str) -> Any:
         if self.filesystem.get_file_info(path).type != pafs.FileType.File:

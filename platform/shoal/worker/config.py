@@ -20,6 +20,8 @@ class WorkerConfig:
     sys_path: tuple[str, ...] = field(default_factory=tuple)  # where user model modules live
     audit_samples: bool = False  # write the sample ids of every step (exactly-once tests)
     init_from: str | None = None  # another run's checkpoint, for a run that has none of its own
+    # This run's newest checkpoint, when Ray Train's record of them was unreadable and set aside.
+    own_latest: str | None = None
 
     def as_train_loop_config(self) -> dict[str, WorkerConfig]:
         """Ray Train wants a dict for `train_loop_config`."""

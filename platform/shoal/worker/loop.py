@@ -94,7 +94,13 @@ class Trainer:
         self.flops_per_step: float | None = None
         self.stalls: dict[str, float] = {"checkpoint": 0.0, "eval": 0.0}  # between steps
         self.checkpointer = Checkpointer(
-            self.engine, self.training, context, self.reporter, workload.checkpoint, config.init_from
+            self.engine,
+            self.training,
+            context,
+            self.reporter,
+            workload.checkpoint,
+            config.init_from,
+            config.own_latest,
         )
         self.watchdog = HangWatchdog(self.failure.hang_timeout_s, config.run_dir, self.rank)
         self.audit = SampleAudit(config.run_dir, self.rank) if config.audit_samples else None

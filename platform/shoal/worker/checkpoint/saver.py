@@ -61,11 +61,13 @@ class Checkpointer:
         reporter: Reporter,
         settings: CheckpointSpec,
         init_from: str | None = None,
+        own_latest: str | None = None,
     ):
         self.engine, self.training, self.context, self.reporter = engine, training, context, reporter
         self.rank = context.world_rank
         self.every_steps, self.background = settings.every_steps, settings.async_
         self.init_from = init_from  # another run's checkpoint, for a run that has none of its own
+        self.own_latest = own_latest  # this run's newest, when Ray Train lost its record of them
         self.group = dist.new_group(backend="gloo") if self.background and dist.is_initialized() else None
         self.pending: PendingSave | None = None
         self.saved_step = -1
@@ -137,6 +139,8 @@ class Checkpointer:
         """Load the newest intact checkpoint of this run (else `init_from`) into the engine and
         the training state, or None for a fresh start."""
         latest = self.context.latest_checkpoint()
+        if latest is None and self.own_latest:
+            latest = self.context.checkpoint_at(self.own_latest)
         if latest is None and self.init_from:
             latest = self.context.checkpoint_at(self.init_from)
         if latest is None:
