@@ -149,3 +149,73 @@ def test_credentials_in_uris_are_never_stored(workdir: Path, ray_start_cluster, 
     assert (
         any(p.name == "server.db" for p in workdir.rglob("*")) and (workdir / "shoal_runs" / "local").is_dir()
     )
+
+
+STORM = 8
+# One process that waits for every job to end (bounded), then prints their statuses.
+WAIT_FOR_JOBS = """
+import sys, time
+from shoal.launch import jobs
+client, ids = jobs.client(sys.argv[1]), sys.argv[2:]
+deadline = time.monotonic() + 1200
+while time.monotonic() < deadline:
+    states = [str(client.get_job_status(j).value) for j in ids]
+    if all(s in ("SUCCEEDED", "FAILED", "STOPPED") for s in states):
+        break
+    time.sleep(5)
+print(" ".join(states))
+"""
+PLACEMENT_GROUP_STATES = """
+import ray
+ray.init(log_to_driver=False)
+print(sorted({p["state"] for p in ray.util.placement_group_table().values()}))
+"""
+
+
+def test_a_submission_storm_queues_every_job_to_success(workdir: Path, ray_start_cluster) -> None:
+    """Eight `shoal submit --detach` at once to two nodes with room for three runs: the rest
+    wait for room (Ray Train asks again for its workers' placement group) instead of failing;
+    each ends SUCCEEDED with one FINISHED MLflow run, and no placement group is left."""
+    cluster = ray_start_cluster
+    write_workload(workdir, quickstart(), "quickstart.yaml")
+    args = ["submit", "quickstart.yaml", "--address", cluster.dashboard, "--detach"]
+    args += ["--set", f"checkpoint.storage={workdir / 'shoal_runs'}", "--set", "train.max_steps=20"]
+    args += ["--set", "checkpoint.every_steps=10", "--set", "train.eval_every=10"]
+    submits = [shoal_cli([*args, "--run-name", f"storm-{i}"], workdir, **cluster.env) for i in range(STORM)]
+    outputs = [finish(process, 300) for process in submits]
+    assert all(code == 0 for code, _ in outputs), outputs
+    jobs = [re.search(r"submitted Ray job (\S+)", out).group(1) for _, out in outputs]
+
+    done = subprocess.run(
+        [sys.executable, "-c", WAIT_FOR_JOBS, cluster.dashboard, *jobs],
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=1300,
+    )
+    assert done.stdout.split() == ["SUCCEEDED"] * STORM, done.stdout + done.stderr
+    client = mlflow(workdir)
+    runs = client.search_runs([client.get_experiment_by_name("quickstart").experiment_id])
+    storm = {
+        r.data.tags["shoal.run_name"]: r for r in runs if r.data.tags["shoal.run_name"].startswith("storm-")
+    }
+    assert sorted(storm) == [f"storm-{i}" for i in range(STORM)]  # one run each
+    assert all(
+        r.info.status == "FINISHED" and loss_steps(client, r.info.run_id) == list(range(1, 21))
+        for r in storm.values()
+    )
+    code, listing = finish(
+        shoal_cli(["jobs", "list", "--address", cluster.dashboard], workdir, **cluster.env)
+    )
+    assert code == 0 and all(job in listing for job in jobs), listing
+    # Room for three at a time: some run took its first step after another had finished.
+    steps = [client.get_metric_history(r.info.run_id, "train/loss") for r in storm.values()]
+    assert max(min(m.timestamp for m in h) for h in steps) > min(max(m.timestamp for m in h) for h in steps)
+    placed = subprocess.run(
+        [sys.executable, "-c", PLACEMENT_GROUP_STATES],
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert placed.stdout.strip().splitlines()[-1] in ("[]", "['REMOVED']"), placed.stdout

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -180,3 +182,26 @@ def test_a_write_that_raises_leaves_no_observer_call_for_the_next_report(
     recorder.handle(_report(range(6, 8)))
     assert observer.seen == [("progress", list(range(1, 8)), None)]
     recorder.finish("FINISHED")
+
+
+def test_drivers_starting_together_on_a_new_sqlite_store_all_get_their_run(tmp_path: Path) -> None:
+    """Six processes at once on a store that does not exist yet (a submission storm): without
+    the lock they ran MLflow's schema migration together and most failed ('table
+    _alembic_tmp_tags already exists'); each must get its run, in one experiment."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    code = (
+        "from shoal.tracking.mlflow_run import experiment_id_of, tracking_client; "
+        f"c = tracking_client({uri!r}); print(c.create_run(experiment_id_of(c, 'storm')).info.run_id)"
+    )
+    drivers = [
+        subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(6)
+    ]
+    results = [(d.communicate(timeout=120), d.returncode) for d in drivers]
+    assert all(rc == 0 for _, rc in results), [err[-500:] for (_, err), rc in results if rc]
+    client = MlflowClient(uri)
+    (experiment,) = [e for e in client.search_experiments() if e.name == "storm"]
+    runs = client.search_runs([experiment.experiment_id])
+    assert sorted(r.info.run_id for r in runs) == sorted(out.strip() for (out, _), _ in results)

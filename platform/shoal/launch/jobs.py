@@ -9,6 +9,7 @@ the job's metadata then names it, and the run records the Ray job id.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import shlex
 import shutil
@@ -16,6 +17,8 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,10 +31,10 @@ from shoal.launch.run import default_run_name
 from shoal.redact import has_credentials, redact, without_credentials
 from shoal.spec import load
 from shoal.tracking import resolve_uri
-from shoal.tracking.mlflow_run import RUN_NAME_TAG
+from shoal.tracking.mlflow_run import RUN_NAME_TAG, experiment_id_of, tracking_client
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
-UPLOAD_EXCLUDES = [".venv", ".git", "shoal_runs", "mlflow.db", "mlruns", "__pycache__", "*.pyc"]
+UPLOAD_EXCLUDES = [".venv", ".git", "shoal_runs", "mlflow.db*", "mlruns", "__pycache__", "*.pyc"]
 STOP_WAIT_S = 30  # a stopped job gets this long to record itself KILLED in MLflow
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 
@@ -87,13 +90,32 @@ def leave_job_working_dir() -> None:
     Ray unpacks the upload once per node and, when it next sets up that runtime
     environment for a worker, deletes and unpacks it again (Ray 2.60,
     `working_dir` with overwrite): the job's driver, whose current directory it
-    is, would find its directory gone. Workers hold their own reference.
+    is, would find its directory gone. Workers hold their own reference. Jobs
+    submitted from the same directory share one upload, so another job's workers
+    may be unpacking it while this driver starts (eight submitted at once did):
+    the copy is made under the lock Ray unpacks under.
     """
     if "RAY_JOB_CONFIG_JSON_ENV_VAR" not in os.environ:
         return
+    source = Path(os.readlink("/proc/self/cwd").removesuffix(" (deleted)"))
     private = Path(tempfile.mkdtemp(prefix="shoal-job-")) / "working_dir"
-    shutil.copytree(os.getcwd(), private, symlinks=True)
+    with _unpack_lock(source):
+        if not source.is_dir():
+            raise JobError(f"the job's working directory {source} is gone (Ray removed its upload)")
+        shutil.copytree(source, private, symlinks=True)
     os.chdir(private)
+
+
+@contextmanager
+def _unpack_lock(unpacked: Path) -> Iterator[None]:
+    """Ray's lock (`filelock`, an flock) on an upload it unpacks at `unpacked`, if it is one."""
+    lock_path = Path(f"{unpacked}.zip.lock")
+    if not lock_path.exists():
+        yield
+        return
+    with open(lock_path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
 
 
 def _is_this_machine(address: str) -> bool:
@@ -116,9 +138,8 @@ class Submission:
 
 
 def _precreate_run(uri: str, experiment: str, run_name: str, job_tags: dict[str, str]) -> str | None:
-    mlflow = MlflowClient(tracking_uri=uri)
-    found = mlflow.get_experiment_by_name(experiment)
-    experiment_id = found.experiment_id if found else mlflow.create_experiment(experiment)
+    mlflow = tracking_client(uri)
+    experiment_id = experiment_id_of(mlflow, experiment)
     tags = {RUN_NAME_TAG: run_name, **job_tags}
     return mlflow.create_run(experiment_id, run_name=run_name, tags=tags).info.run_id
 

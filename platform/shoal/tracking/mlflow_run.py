@@ -7,6 +7,7 @@ continues logging there.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -58,6 +59,40 @@ def resolve_uri(spec_uri: str | None) -> str:
     if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
         uri = "sqlite:///" + str(Path(uri.removeprefix("sqlite:///")).resolve())
     return uri
+
+
+def tracking_client(uri: str) -> MlflowClient:
+    """An MlflowClient for `uri`, for code that may be the first to touch its store.
+
+    The first client of a sqlite store creates its tables (or upgrades their schema); several
+    drivers starting at once against a new file (eight `shoal submit` in a row) ran that
+    migration together and left the file unusable ('table _alembic_tmp_tags already exists'):
+    so with sqlite the first touch happens under an exclusive lock on `<file>.lock`.
+    """
+    if not uri.startswith("sqlite:///"):
+        return MlflowClient(tracking_uri=uri)
+    database = Path(uri.removeprefix("sqlite:///").split("?", 1)[0])
+    database.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{database}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        client = MlflowClient(tracking_uri=uri)
+        client.search_experiments(max_results=1)
+    return client
+
+
+def experiment_id_of(client: MlflowClient, name: str) -> str:
+    """The experiment's id, created when missing; another driver creating it at the same
+    moment is not an error."""
+    found = client.get_experiment_by_name(name)
+    if found:
+        return found.experiment_id
+    try:
+        return client.create_experiment(name)
+    except MlflowException as exc:
+        found = client.get_experiment_by_name(name)
+        if exc.error_code != "RESOURCE_ALREADY_EXISTS" or found is None:
+            raise
+        return found.experiment_id
 
 
 def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, str]:
@@ -285,11 +320,10 @@ def open_run(
     """
     for key, value in CLIENT_ENV.items():
         os.environ.setdefault(key, value)
-    client = MlflowClient(tracking_uri=uri)
     run_dir = without_credentials(run_dir)
     with tracking_errors(f"MLflow at '{redact(uri)}'"):
-        found = client.get_experiment_by_name(experiment)
-        experiment_id = found.experiment_id if found else client.create_experiment(experiment)
+        client = tracking_client(uri)
+        experiment_id = experiment_id_of(client, experiment)
         stale = None
         if run_id is None:
             run_id, stale = _earlier_run(client, experiment_id, run_name, run_dir, resume)

@@ -11,17 +11,12 @@ from typing import Any
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from shoal.tracking.mlflow_run import TrackingError
+from shoal.tracking.mlflow_run import TrackingError, experiment_id_of, tracking_client
 
 PARENT_TAG = "mlflow.parentRunId"
 SWEEP_TAG = "shoal.sweep"
 TRIAL_TAG = "shoal.trial_id"
 EARLY_STOP_TAG = "shoal.early_stopped"
-
-
-def _experiment_id(client: MlflowClient, experiment: str) -> str:
-    found = client.get_experiment_by_name(experiment)
-    return found.experiment_id if found else client.create_experiment(experiment)
 
 
 def _one(client: MlflowClient, experiment_id: str, filter_string: str) -> str | None:
@@ -31,9 +26,9 @@ def _one(client: MlflowClient, experiment_id: str, filter_string: str) -> str | 
 
 def open_parent(uri: str, experiment: str, sweep_name: str, params: dict[str, Any], spec_yaml: str) -> str:
     """The sweep's parent run: found again by its sweep name on resume, else created."""
-    client = MlflowClient(tracking_uri=uri)
     try:
-        experiment_id = _experiment_id(client, experiment)
+        client = tracking_client(uri)
+        experiment_id = experiment_id_of(client, experiment)
         parent = _one(
             client, experiment_id, f"tags.`{SWEEP_TAG}` = '{sweep_name}' and tags.`shoal.role` = 'sweep'"
         )
@@ -53,7 +48,7 @@ def open_parent(uri: str, experiment: str, sweep_name: str, params: dict[str, An
 def trial_run(uri: str, experiment: str, parent_id: str, trial_id: str, run_name: str) -> str:
     """A trial's child run: the one it had before a resume, else a new one."""
     client = MlflowClient(tracking_uri=uri)
-    experiment_id = _experiment_id(client, experiment)
+    experiment_id = experiment_id_of(client, experiment)
     found = _one(
         client, experiment_id, f"tags.`{PARENT_TAG}` = '{parent_id}' and tags.`{TRIAL_TAG}` = '{trial_id}'"
     )
