@@ -237,6 +237,20 @@ def test_run_summary_at_80_columns() -> None:
     assert "0123456789abcdef0123456789abcdef" in text and max(len(line) for line in text.splitlines()) <= 80
 
 
+def test_a_failure_reason_with_brackets_is_shown_as_text() -> None:
+    """gloo's errors quote their source as '[/__w/.../pair.cc:152]': rich took it for markup
+    and the driver died printing its own summary (MarkupError)."""
+    reason = "Connection closed by peer [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:1]"
+    result = SimpleNamespace(
+        status="FAILED", run_name="r", step=3, total_steps=9, metrics={}, resumed_from=None, restarts=1,
+        unsent_writes=0, reason=reason, checkpoint="/runs/[x]/checkpoint-00000002", run_dir="/runs/[x]",
+        experiment="[e]", run_id="0" * 32, tracking_uri="sqlite:////tmp/[m].db", model_uri=None,
+        model_error=None,
+    )  # fmt: skip
+    text = unfolded(render(summary_table(result)))
+    assert "[/__w/pytorch/pytorch/third_party/gloo" in text and "/runs/[x]" in text and "[e]" in text
+
+
 def _sweep_table(paths: list[str]) -> SweepTable:
     table = SweepTable.__new__(SweepTable)  # the table alone, without its live display
     table.paths, table.metric, table.mode, table.rows = paths, "val/accuracy", "max", {}

@@ -132,14 +132,14 @@ def summary_table(result: RunResult) -> Table:
             "[red]MLflow[/]", f"{result.unsent_writes} writes could not be sent (store unreachable)"
         )
     if result.reason:
-        table.add_row("reason", result.reason)
-    table.add_row("checkpoint", result.checkpoint or "-")
+        table.add_row("reason", escape(result.reason))  # error text: "[...]" is not markup
+    table.add_row("checkpoint", escape(result.checkpoint or "-"))
     if result.model_uri or result.model_error:
         table.add_row(
             "model", result.model_uri or f"[yellow]not logged[/]: {escape(result.model_error or '')}"
         )
-    table.add_row("run directory", result.run_dir)
-    table.add_row("MLflow experiment", result.experiment)
+    table.add_row("run directory", escape(result.run_dir))
+    table.add_row("MLflow experiment", escape(result.experiment))
     table.add_row("MLflow run id", result.run_id)
-    table.add_row("browse", browse_command(result.tracking_uri))
+    table.add_row("browse", escape(browse_command(result.tracking_uri)))
     return table
