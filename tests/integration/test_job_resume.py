@@ -124,6 +124,7 @@ def test_full_storage_fails_clearly_and_keeps_earlier_checkpoints(workdir: Path,
     try:
         data = quickstart()
         data["checkpoint"].update(every_steps=20, keep=10, storage=str(small), **{"async": background})
+        data["train"]["max_steps"] = 120  # the storage fills at about step 80
         data["failure"]["max_restarts"] = 0
         result = run_workload(workdir, data, ["train.eval_every=1000"], "full")
         assert result.status == "FAILED"

@@ -179,8 +179,9 @@ def test_a_submission_storm_queues_every_job_to_success(workdir: Path, ray_start
     cluster = ray_start_cluster
     write_workload(workdir, quickstart(), "quickstart.yaml")
     args = ["submit", "quickstart.yaml", "--address", cluster.dashboard, "--detach"]
-    args += ["--set", f"checkpoint.storage={workdir / 'shoal_runs'}", "--set", "train.max_steps=20"]
-    args += ["--set", "checkpoint.every_steps=10", "--set", "train.eval_every=10"]
+    args += ["--set", f"checkpoint.storage={workdir / 'shoal_runs'}", "--set", "train.max_steps=10"]
+    args += ["--set", "checkpoint.every_steps=10", "--set", "train.eval_every=1000"]
+    args += ["--set", "failure.worker_start_timeout_s=5"]  # a waiting job asks for room every 5 s
     submits = [shoal_cli([*args, "--run-name", f"storm-{i}"], workdir, **cluster.env) for i in range(STORM)]
     outputs = [finish(process, 300) for process in submits]
     assert all(code == 0 for code, _ in outputs), outputs
@@ -201,7 +202,7 @@ def test_a_submission_storm_queues_every_job_to_success(workdir: Path, ray_start
     }
     assert sorted(storm) == [f"storm-{i}" for i in range(STORM)]  # one run each
     assert all(
-        r.info.status == "FINISHED" and loss_steps(client, r.info.run_id) == list(range(1, 21))
+        r.info.status == "FINISHED" and loss_steps(client, r.info.run_id) == list(range(1, 11))
         for r in storm.values()
     )
     code, listing = finish(
