@@ -7,7 +7,9 @@ A refused attempt raises ConnectionRefusedError and is also appended to the file
 $SHOAL_NETGUARD_LOG, so that a library that swallows the error and retries
 (a hub client, a telemetry ping) still fails the test that caused it.
 
-Local is loopback, the machine's own interface addresses and Unix sockets.
+Local is loopback, the machine's own interface addresses and Unix sockets, and the
+networks named in $SHOAL_NETGUARD_LINKS (comma-separated CIDRs): those of the veth links
+a network test creates between network namespaces of its own, where they exist only.
 UDP is not guarded: a UDP `connect` sends nothing (Ray uses one to learn its
 own address), and name lookups are not connections.
 """
@@ -21,6 +23,7 @@ import socket
 from typing import Any
 
 ENV_LOG = "SHOAL_NETGUARD_LOG"
+ENV_LINKS = "SHOAL_NETGUARD_LINKS"
 # Refused like any other, but not held against the test: Ray's dashboard asks the cloud
 # metadata service which cloud it runs on every time it starts, whatever usage-stats setting
 # (ray/dashboard/modules/usage_stats/usage_stats_head.py, run()), and copes with no answer.
@@ -58,7 +61,10 @@ def is_local(host: str) -> bool:
         except OSError:
             return True  # unresolvable: nothing can be reached
         return all(is_local(info[4][0]) for info in infos)
-    return ip.is_loopback or ip.is_unspecified or str(ip) in own_addresses()
+    if ip.is_loopback or ip.is_unspecified or str(ip) in own_addresses():
+        return True
+    links = filter(None, os.environ.get(ENV_LINKS, "").split(","))
+    return any(ip in ipaddress.ip_network(cidr) for cidr in links)
 
 
 def _check(sock: socket.socket, address: Any) -> None:
