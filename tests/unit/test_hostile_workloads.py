@@ -37,6 +37,11 @@ def _with(old: str, new: str) -> str:
     return QUICKSTART.replace(old, new)
 
 
+def _edit(old: str, new: str, says: str) -> tuple[bytes, str]:
+    """The quickstart with one edit, as bytes, and what the one line must say about it."""
+    return _with(old, new).encode(), says
+
+
 # name -> (the file's bytes, what the one line must say)
 HOSTILE: dict[str, tuple[bytes, str]] = {
     "not UTF-8": (b"\xff\xfe\x00garbage", "not UTF-8 text (byte 0xff at offset 0)"),
@@ -59,86 +64,47 @@ HOSTILE: dict[str, tuple[bytes, str]] = {
         "".join(" " * i + f"k{i}:\n" for i in range(200)).encode(),
         "nested more than 32 levels deep",
     ),
-    "duplicate key": (
-        _with("name: quickstart", "name: quickstart\nname: other").encode(),
-        "duplicate key 'name'",
-    ),
-    "duplicate nested key": (
-        _with("max_steps: 400", "max_steps: 400\n  max_steps: 4").encode(),
+    "duplicate key": _edit("name: quickstart", "name: quickstart\nname: other", "duplicate key 'name'"),
+    "duplicate nested key": _edit(
+        "max_steps: 400",
+        "max_steps: 400\n  max_steps: 4",
         "duplicate key 'max_steps' (first given on line 10)",
     ),
-    "python tag": (
-        _with("name: quickstart", 'name: !!python/object/apply:os.system ["touch pwned"]').encode(),
+    "python tag": _edit(
+        "name: quickstart",
+        'name: !!python/object/apply:os.system ["touch pwned"]',
         "could not determine a constructor",
     ),
-    "custom tag": (
-        _with("name: quickstart", "name: !custom x").encode(),
-        "could not determine a constructor",
-    ),
+    "custom tag": _edit("name: quickstart", "name: !custom x", "could not determine a constructor"),
     "bad float tag": (_with("lr: 3.0e-3", "lr: !!float abc"), "malformed YAML"),
     "two documents": (b"name: a\n---\nname: b\n", "malformed YAML"),
     "tab indentation": (b"model:\n\tfamily: cnn\n", "malformed YAML"),
-    "true as a step count": (
-        _with("max_steps: 400", "max_steps: true").encode(),
-        "must be an integer (got True)",
+    "true as a step count": _edit("max_steps: 400", "max_steps: true", "must be an integer (got True)"),
+    "string as a step count": _edit("max_steps: 400", "max_steps: '400'", "must be an integer (got '400')"),
+    "float as a step count": _edit("max_steps: 400", "max_steps: 400.0", "must be an integer (got 400.0)"),
+    "yes as a flag": _edit("async: false", "async: 'yes'", "must be true or false"),
+    "steps far out of range": _edit(
+        "max_steps: 400", "max_steps: 99999999999999999999999", "must be <= 1,000,000,000"
     ),
-    "string as a step count": (
-        _with("max_steps: 400", "max_steps: '400'").encode(),
-        "must be an integer (got '400')",
+    "1e300 steps": _edit("max_steps: 400", "max_steps: 1e300", "must be an integer"),
+    "infinite lr": _edit("lr: 3.0e-3", "lr: .inf", "must be a finite number (got inf)"),
+    "nan lr": _edit("lr: 3.0e-3", "lr: .nan", "must be a finite number (got nan)"),
+    "huge lr": _edit("lr: 3.0e-3", "lr: 1e30", "must be <= 100"),
+    "negative seed": _edit("seed: 0", "seed: -1", "must be >= 0"),
+    "a million workers": _edit("workers: 2", "workers: 1000000", "must be <= 100,000"),
+    "workers as a list": _edit("workers: 2", "workers: [1, true]", "scaling.workers"),
+    "path-like target": _edit("family: cnn", "target: ../../etc/passwd:X", "model.target: must look like"),
+    "relative target": _edit("family: cnn", "target: .relative:Net", "model.target: must look like"),
+    "target without a class": _edit("family: cnn", "target: 'os:'", "model.target: must look like"),
+    "target with spaces": _edit("family: cnn", "target: 'os :system'", "model.target: must look like"),
+    "target not a module": _edit("family: cnn", "target: 'os:system'", "is not a torch.nn.Module subclass"),
+    "target missing": _edit("family: cnn", "target: 'no_such_pkg_x.m:Net'", "cannot import module"),
+    "model arg as bool": _edit("channels: 32", "channels: true", "model.args.channels: must be an integer"),
+    "model arg out of range": _edit("channels: 32", "channels: 10000000", "must be in [1, 4096]"),
+    "global batch larger than the data": _edit(
+        "global_batch_size: 128", "global_batch_size: 1048576", "more than the 1,438 rows of the training set"
     ),
-    "float as a step count": (
-        _with("max_steps: 400", "max_steps: 400.0").encode(),
-        "must be an integer (got 400.0)",
-    ),
-    "yes as a flag": (_with("async: false", "async: 'yes'").encode(), "must be true or false"),
-    "steps far out of range": (
-        _with("max_steps: 400", "max_steps: 99999999999999999999999").encode(),
-        "must be <= 1,000,000,000",
-    ),
-    "1e300 steps": (_with("max_steps: 400", "max_steps: 1e300").encode(), "must be an integer"),
-    "infinite lr": (_with("lr: 3.0e-3", "lr: .inf").encode(), "must be a finite number (got inf)"),
-    "nan lr": (_with("lr: 3.0e-3", "lr: .nan").encode(), "must be a finite number (got nan)"),
-    "huge lr": (_with("lr: 3.0e-3", "lr: 1e30").encode(), "must be <= 100"),
-    "negative seed": (_with("seed: 0", "seed: -1").encode(), "must be >= 0"),
-    "a million workers": (_with("workers: 2", "workers: 1000000").encode(), "must be <= 100,000"),
-    "workers as a list": (_with("workers: 2", "workers: [1, true]").encode(), "scaling.workers"),
-    "path-like target": (
-        _with("family: cnn", "target: ../../etc/passwd:X").encode(),
-        "model.target: must look like",
-    ),
-    "relative target": (
-        _with("family: cnn", "target: .relative:Net").encode(),
-        "model.target: must look like",
-    ),
-    "target without a class": (
-        _with("family: cnn", "target: 'os:'").encode(),
-        "model.target: must look like",
-    ),
-    "target with spaces": (
-        _with("family: cnn", "target: 'os :system'").encode(),
-        "model.target: must look like",
-    ),
-    "target not a module": (
-        _with("family: cnn", "target: 'os:system'").encode(),
-        "is not a torch.nn.Module subclass",
-    ),
-    "target missing": (
-        _with("family: cnn", "target: 'no_such_pkg_x.m:Net'").encode(),
-        "cannot import module",
-    ),
-    "model arg as bool": (
-        _with("channels: 32", "channels: true").encode(),
-        "model.args.channels: must be an integer",
-    ),
-    "model arg out of range": (_with("channels: 32", "channels: 10000000").encode(), "must be in [1, 4096]"),
-    "global batch larger than the data": (
-        _with("global_batch_size: 128", "global_batch_size: 1048576").encode(),
-        "more than the 1,438 rows of the training set",
-    ),
-    "non-string key": (
-        _with("name: quickstart", "name: quickstart\n1: x").encode(),
-        "keys should be strings",
-    ),
+    "non-string key": _edit("name: quickstart", "name: quickstart\n1: x", "keys should be strings"),
 }
 
 

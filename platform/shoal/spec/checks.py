@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from shoal.data.builtin import cache_dir, read_manifest
-from shoal.data.sources import DataPlan, training_manifest
+from shoal.data.sources import DataPlan, training_manifest, window_length
 from shoal.degrees import DegreeError, Degrees
 from shoal.messages import VAL_PREFIX, Metric
 from shoal.models import ModelError, ParallelModel, check_args, model_class, model_task
@@ -33,12 +33,18 @@ def _issue(source: Source, path: str, message: str) -> SpecIssue:
     return SpecIssue(source.where(path), path, message)
 
 
+def _rows_per_step(workload: Workload) -> int:
+    """The global batch: `train.global_batch_size`, else data.batch_size x the most workers
+    (worker/batching.py's rule; spec/ imports no worker/)."""
+    return workload.train.global_batch_size or workload.data.batch_size * workload.scaling.worker_range()[1]
+
+
 def check_batches(workload: Workload, source: Source) -> list[SpecIssue]:
     """The global batch stays the same at every world size the run may have: each one must
     split it into whole micro-batches per worker."""
     micro = workload.data.batch_size
     low, high = workload.scaling.worker_range()
-    wanted = workload.train.global_batch_size or micro * high
+    wanted = _rows_per_step(workload)
     bad = [world for world in range(low, high + 1) if wanted % (micro * world)]
     if not bad:
         return []
@@ -270,7 +276,7 @@ def check_data_sizes(workload: Workload, source: Source, plan: DataPlan | None) 
     if rows is None:
         return []
     micro, high = workload.data.batch_size, workload.scaling.worker_range()[1]
-    wanted = workload.train.global_batch_size or micro * high
+    wanted = _rows_per_step(workload)
     if wanted <= rows:
         return []
     path = "train.global_batch_size" if workload.train.global_batch_size else "data.batch_size"
@@ -290,7 +296,7 @@ def _prepared_builtin_rows(workload: Workload) -> int | None:
     """The training rows of a built-in corpus already prepared in the cache (None if not)."""
     if workload.data.builtin is None:
         return None
-    seq_len = workload.data.seq_len or workload.model.args.get("seq_len")
+    seq_len = window_length(workload.data.seq_len, workload.model.args)
     prepared = read_manifest(cache_dir(workload.data.builtin, seq_len if isinstance(seq_len, int) else None))
     rows = (prepared or {}).get("rows", {}).get("train")
     return rows if isinstance(rows, int) else None
