@@ -94,6 +94,7 @@ class WorkerValue(StrEnum):
     """A value every worker measures for itself, logged as `worker/<rank>/<value>`."""
 
     BUSY_S = "busy_s"  # the worker's own share of the step: data wait and forward passes
+    LINK_RTT_S = "link_rtt_s"  # a TCP handshake's round trip to the cluster's head (median)
 
 
 class GpuReading(StrEnum):

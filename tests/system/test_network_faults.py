@@ -1,7 +1,8 @@
 """Real network faults between network namespaces of the test's own (see netns.py): a Ray
 head and two worker nodes, one of whose links goes down mid-run (the run fails over to the
-other node, data exactly once); a tracking server behind a link that loses 20 % of its
-packets each way (every metric point arrives exactly once).
+other node, data exactly once) or slows to 50 ± 10 ms each way (a straggler event names the
+rank behind it, and training goes on); a tracking server behind a link that loses 20 % of
+its packets each way (every metric point arrives exactly once).
 
 The namespaces, links and every process in them are made and removed by the test, also on
 failure; the test is skipped, with the reason, where network namespaces are not permitted.
@@ -132,18 +133,26 @@ def newest_checkpoint(run_dir: Path) -> int:
     return max((int(p.name[11:]) for p in run_dir.glob("checkpoint-*") if p.name in snapshot), default=0)
 
 
-def test_a_worker_nodes_link_going_down_fails_over_to_the_other_node(
-    workdir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("RAY_AUTH_MODE", "token")  # a token of this cluster's own, for every node
+def two_node_workload(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch, name: str, steps: int, workers: object
+) -> dict:
+    """A tiny quickstart for a worker on each node, with a Ray token of this cluster's own."""
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
     monkeypatch.setenv("RAY_AUTH_TOKEN", secrets.token_hex(32))
     data = quickstart()
     data["model"]["args"] = {"channels": 8}
-    data["train"].update(max_steps=ELASTIC_STEPS, eval_every=1000)
+    data["train"].update(max_steps=steps, eval_every=1000)
     data["checkpoint"]["every_steps"] = 20
-    data["scaling"] = {"workers": {"min": 1, "max": 2}, "cpus_per_worker": 2, "threads_per_worker": 1}
+    data["scaling"] = {"workers": workers, "cpus_per_worker": 2, "threads_per_worker": 1}
     data["failure"].update(worker_start_timeout_s=10, max_restarts=5)
-    write_workload(workdir, data, "elastic.yaml")
+    write_workload(workdir, data, name)
+    return data
+
+
+def test_a_worker_nodes_link_going_down_fails_over_to_the_other_node(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = two_node_workload(workdir, monkeypatch, "elastic.yaml", ELASTIC_STEPS, {"min": 1, "max": 2})
     run_dir = workdir / "shoal_runs" / "elastic"
     with Network(workdir) as net:
         head, kept, cut = net.add("head"), net.add("w1"), net.add("w2")
@@ -178,3 +187,41 @@ def test_a_worker_nodes_link_going_down_fails_over_to_the_other_node(
     records = [json.loads(line) for path in (run_dir / "audit").glob("rank*.jsonl") for line in path.open()]
     first_after = min(r["time"] for r in records if float(r["attempt"]) > cut_at)
     print(f"link down -> next step: {first_after - cut_at:.1f} s")
+
+
+SLOW_LINK_STEPS = 150
+
+
+def test_a_slow_link_names_the_rank_behind_it_and_training_goes_on(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = two_node_workload(workdir, monkeypatch, "slow.yaml", SLOW_LINK_STEPS, 2)
+    data["monitor"] = {"stragglers": {"link_probe_every_s": 1.0}}
+    write_workload(workdir, data, "slow.yaml")
+    run_dir = workdir / "shoal_runs" / "slow"
+    with Network(workdir) as net:
+        head, fast, slow = net.add("head"), net.add("w1"), net.add("w2", shaped=True)
+        address = start_ray(net, head, [fast, slow], workdir)
+        args = [sys.executable, "-m", "shoal.cli", "run", "slow.yaml", "--address", address]
+        driver = net.popen(head, [*args, "--run-name", "slow"], workdir / "driver.log", cwd=workdir)
+        running = lambda: driver.poll() is None  # noqa: E731
+        wait_for(lambda: newest_checkpoint(run_dir) >= 20 or not running(), 300, "20 steps on 2 nodes")
+        assert running(), (workdir / "driver.log").read_text()[-3000:]
+        net.shape(slow, delay_ms=50, jitter_ms=10)
+        assert driver.wait(timeout=600) == 0, (workdir / "driver.log").read_text()[-3000:]
+        assert "its link to the head takes" in (workdir / "driver.log").read_text()  # the terminal line
+
+    client = MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("quickstart").experiment_id])
+    assert run.info.status == "FINISHED"
+    assert loss_steps(client, run.info.run_id) == list(range(1, SLOW_LINK_STEPS + 1))  # it went on
+    slow_links = [e for e in events(client, run.info.run_id, workdir) if e.get("cause") == "link"]
+    assert slow_links and {e["node"] for e in slow_links} == {slow.address}, slow_links
+    (rank,) = {e["rank"] for e in slow_links}
+    assert slow_links[0]["kind"] == "straggler" and slow_links[0]["step"] > 20
+    round_trips = {
+        r: [m.value for m in client.get_metric_history(run.info.run_id, f"worker/{r}/link_rtt_s")]
+        for r in (0, 1)
+    }
+    assert max(round_trips[rank]) >= 0.08 > max(round_trips[1 - rank])  # 2 x (50 ± 10) ms vs none
+    print(f"slow link: rank {rank} on {slow.address}, event at step {slow_links[0]['step']}: {slow_links[0]}")

@@ -66,6 +66,7 @@ class LocalContext:
     ):
         self.storage = storage
         self.world_rank, self.world_size, self.local_rank = world_rank, world_size, world_rank
+        self.head_address = None  # no cluster: links are not timed
         self.latest = LocalCheckpoint(latest) if latest else None
         self.reports: list[Report] = []
 

@@ -40,7 +40,13 @@ def test_defaults_fill_every_section() -> None:
         "sweep",
     }
     assert resolved["monitor"] == {
-        "stragglers": {"factor": 1.5, "steps": 5, "min_gap_s": 0.02},
+        "stragglers": {
+            "factor": 1.5,
+            "steps": 5,
+            "min_gap_s": 0.02,
+            "link_min_gap_s": 0.02,
+            "link_probe_every_s": 5.0,
+        },
         "profile": None,
         "tensorboard": False,
     }

@@ -87,18 +87,37 @@ def _failure_line(fields: dict[str, Any]) -> str:
     return f"[yellow]worker failure[/] {ranks}; Ray Train restarts from the latest checkpoint"
 
 
+def _on_node(fields: dict[str, Any]) -> str:
+    return f" on {fields['node']}" if fields.get("node") else ""
+
+
+def _straggler_line(fields: dict[str, Any]) -> str:
+    who, median, steps = (
+        f"worker rank {fields['rank']}{_on_node(fields)}",
+        fields["median_s"],
+        fields["steps"],
+    )
+    if fields.get("cause") == "link":
+        what = f"its link to the head takes {fields['link_rtt_s'] * 1e3:.3g} ms a round trip"
+        return (
+            f"[yellow]straggler[/] {who}: {what} vs the others' median {median * 1e3:.3g} ms "
+            f"for {steps} steps (to step {fields['step']}); the collectives wait for it"
+        )
+    return (
+        f"[yellow]straggler[/] {who} took {fields['busy_s']:.3g} s of its own per step "
+        f"vs the others' median {median:.3g} s for {steps} steps (to step {fields['step']})"
+    )
+
+
 # One terminal line per notable event kind (from the event's fields); the others
 # (evaluations...) show in the bar.
 EVENT_LINES: dict[EventKind, Callable[[dict[str, Any]], str]] = {
     EventKind.ATTEMPT_STARTED: _attempt_line,
     EventKind.FAILURE: _failure_line,
     EventKind.FATAL: lambda e: f"[red]fatal[/] {e['reason']}",
-    EventKind.STRAGGLER: lambda e: (
-        f"[yellow]straggler[/] worker rank {e['rank']} took {e['busy_s']:.3g} s of its own per step "
-        f"vs the others' median {e['median_s']:.3g} s for {e['steps']} steps (to step {e['step']})"
-    ),
+    EventKind.STRAGGLER: _straggler_line,
     EventKind.STRAGGLER_RECOVERED: lambda e: (
-        f"[green]recovered[/] worker rank {e['rank']} (step {e['step']})"
+        f"[green]recovered[/] worker rank {e['rank']}{_on_node(e)} (step {e['step']})"
     ),
     EventKind.PROFILE: lambda e: (
         f"[cyan]profile[/] rank {e['rank']} steps {e['first_step']}-{e['last_step']}: "

@@ -257,6 +257,9 @@ class StragglerSpec(Section):
     factor: float = Field(1.5, gt=1, le=1e6)  # busier than the other workers' median by this factor...
     steps: Count = 5  # ...for this many steps in a row
     min_gap_s: float = Field(0.02, ge=0, le=DAY_S)  # ...and by at least this many seconds
+    # A link: a rank's round trip to the head above `factor` x the others' median by this much
+    link_min_gap_s: float = Field(0.02, ge=0, le=DAY_S)
+    link_probe_every_s: float = Field(5.0, ge=0, le=DAY_S)  # how often each rank times it; 0: never
 
 
 class ProfileSpec(Section):

@@ -28,6 +28,7 @@ class TrainContext(Protocol):
     world_rank: int
     world_size: int
     local_rank: int
+    head_address: str | None  # `host:port` of the cluster's head (links are timed to it)
 
     def report(
         self,
@@ -49,13 +50,15 @@ class RayTrainContext:
     """`TrainContext` over `ray.train` inside a Ray Train worker."""
 
     def __init__(self) -> None:
-        import ray.train  # lazy: the worker module imports without Ray (unit tests)
+        import ray  # lazy: the worker module imports without Ray (unit tests)
+        import ray.train
 
         self._train = ray.train
         context = ray.train.get_context()
         self.world_rank = context.get_world_rank()
         self.world_size = context.get_world_size()
         self.local_rank = context.get_local_rank()
+        self.head_address = ray.get_runtime_context().gcs_address
 
     def report(
         self,

@@ -39,6 +39,7 @@ from shoal.worker.checkpoint.state import Position, TrainingState
 from shoal.worker.config import WorkerConfig
 from shoal.worker.context import RayTrainContext, TrainContext
 from shoal.worker.engine import Engine
+from shoal.worker.links import LINK_ADDRESS, LinkProbe, address_of, parse_address
 from shoal.worker.metrics import (
     GpuReadings,
     PhaseClock,
@@ -90,6 +91,11 @@ class Trainer:
         self.clock, self.gpu = PhaseClock(self.device), GpuReadings(self.device)
         stragglers = monitor.stragglers
         self.stragglers = StragglerWatch(stragglers.factor, stragglers.steps, stragglers.min_gap_s)
+        self.slow_links = StragglerWatch(
+            stragglers.factor, stragglers.steps, stragglers.link_min_gap_s, WorkerValue.LINK_RTT_S
+        )
+        head = context.head_address if self.world > 1 else None  # one rank has no others to compare
+        self.link_probe = LinkProbe(head and parse_address(head), stragglers.link_probe_every_s).start()
         self.profile = ProfileWindow(monitor.profile, self.rank, self.device, config.run_dir)
         self.flops_per_step: float | None = None
         self.stalls: dict[str, float] = {"checkpoint": 0.0, "eval": 0.0}  # between steps
@@ -210,6 +216,7 @@ class Trainer:
         else:
             self.reporter.send(self._summary(final=True))
         self.watchdog.disarm()
+        self.link_probe.stop()
 
     def _train_stream(self) -> LoopOutcome:
         """Train from the current position until done, a NaN rollback, a fatal error or the data's end."""
@@ -236,6 +243,7 @@ class Trainer:
             WorkerValue.BUSY_S: self.data_wait + phases.get("forward", 0.0),
             "peak_mb": peak_memory_mb(self.device),
             **self.gpu.read(),
+            **self.link_probe.per_rank(),
             **read_counts_per_rank(self.read_counts),
         }
         try:
@@ -375,7 +383,11 @@ class Trainer:
             values[Metric.TRAIN_TOKENS_PER_S_PER_WORKER] = values[Metric.TRAIN_TOKENS_PER_S] / self.world
         # Every rank sees the same gathered times and so records the same events: a rank-0-only
         # event would make rank 0 alone decide to report, and ray.train.report is a barrier.
-        for event in self.stragglers.observe(self.position.step, gathered[WorkerValue.BUSY_S]):
+        step, nodes = self.position.step, [address_of(n) for n in gathered[LINK_ADDRESS]]
+        for event in [
+            *self.stragglers.observe(step, gathered[WorkerValue.BUSY_S], nodes),
+            *self.slow_links.observe(step, gathered[WorkerValue.LINK_RTT_S], nodes),
+        ]:
             self.reporter.event(event.pop("kind"), **event)
         if self.engine.precision.scaler is not None:
             values[Metric.TRAIN_SKIPPED_STEPS] = self.engine.precision.skipped_steps

@@ -119,32 +119,42 @@ class GpuReadings:
 
 
 class StragglerWatch:
-    """A worker whose busy time exceeds `factor` x the median of the others (and them by at
-    least `min_gap_s`) for `steps` steps in a row is a straggler: one event when it starts,
-    one when it recovers. Events come as `{"kind": EventKind, **fields}`."""
+    """A worker whose `measure` (its busy time, or its link's round trip) exceeds `factor`
+    x the median of the others (and them by at least `min_gap_s`) for `steps` steps in a
+    row is a straggler: one event when it starts, one when it recovers. Ranks without a
+    reading (negative) are left out. Events come as `{"kind": EventKind, **fields}`."""
 
-    def __init__(self, factor: float, steps: int, min_gap_s: float):
-        self.factor, self.steps, self.min_gap_s = factor, steps, min_gap_s
+    def __init__(
+        self, factor: float, steps: int, min_gap_s: float, measure: WorkerValue = WorkerValue.BUSY_S
+    ):
+        self.factor, self.steps, self.min_gap_s, self.measure = factor, steps, min_gap_s, measure
         self.streaks: dict[int, int] = defaultdict(int)
         self.flagged: set[int] = set()
 
-    def observe(self, step: int, busy: list[float]) -> list[dict[str, Any]]:
+    def observe(
+        self, step: int, values: list[float], nodes: list[str | None] | None = None
+    ) -> list[dict[str, Any]]:
+        """`values[rank]` this step; `nodes[rank]`, where known, names the rank's node."""
+        measured = {rank: value for rank, value in enumerate(values) if value >= 0}
         events = []
-        for rank, seconds in enumerate(busy):
-            others = busy[:rank] + busy[rank + 1 :]
+        for rank, seconds in measured.items():
+            others = [value for other, value in measured.items() if other != rank]
             if not others:
                 return []
             median = statistics.median(others)
             slow = seconds > self.factor * median and seconds - median >= self.min_gap_s
             self.streaks[rank] = self.streaks[rank] + 1 if slow else 0
+            where = {"node": nodes[rank]} if nodes and nodes[rank] else {}
             if slow and self.streaks[rank] == self.steps:
                 self.flagged.add(rank)
                 events.append(
                     {
                         "kind": EventKind.STRAGGLER,
+                        "cause": "link" if self.measure == WorkerValue.LINK_RTT_S else "compute",
                         "rank": rank,
+                        **where,
                         "step": step,
-                        "busy_s": round(seconds, 4),
+                        self.measure.value: round(seconds, 4),
                         "median_s": round(median, 4),
                         "ratio": round(seconds / median, 2) if median > 0 else None,
                         "steps": self.steps,
@@ -152,7 +162,7 @@ class StragglerWatch:
                 )
             elif not slow and rank in self.flagged:
                 self.flagged.discard(rank)
-                events.append({"kind": EventKind.STRAGGLER_RECOVERED, "rank": rank, "step": step})
+                events.append({"kind": EventKind.STRAGGLER_RECOVERED, "rank": rank, **where, "step": step})
         return events
 
 
@@ -161,6 +171,9 @@ def worker_metrics(gathered: dict[str, list[float]], gpus: bool) -> dict[str, fl
     the GPU readings) as MLflow metrics."""
     busy = gathered[WorkerValue.BUSY_S]
     metrics = {worker_metric(rank, WorkerValue.BUSY_S): value for rank, value in enumerate(busy)}
+    for rank, seconds in enumerate(gathered.get(WorkerValue.LINK_RTT_S, ())):
+        if seconds >= 0:  # a rank whose link has been timed
+            metrics[worker_metric(rank, WorkerValue.LINK_RTT_S)] = seconds
     metrics[Metric.TIME_BUSY_MAX_S] = max(busy)
     metrics[Metric.TIME_BUSY_MEDIAN_S] = statistics.median(busy)
     metrics[Metric.MEMORY_PEAK_MB] = max(gathered["peak_mb"])
