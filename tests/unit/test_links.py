@@ -82,6 +82,16 @@ def test_the_rank_behind_a_slow_link_is_named_even_with_two_ranks() -> None:
     assert "rank 1 on 10.213.7.3" in line and "100 ms a round trip" in line and "0.3 ms" in line
 
 
+def test_one_slow_reading_seen_by_many_steps_is_not_a_streak() -> None:
+    watch = StragglerWatch(factor=1.5, steps=3, min_gap_s=0.02, measure=WorkerValue.LINK_RTT_S)
+    events = [e for step in range(1, 50) for e in watch.observe(step, [0.0003, 0.1])]  # one reading
+    assert events == []
+    events = [
+        e for step, slow in enumerate([0.12, 0.11], start=50) for e in watch.observe(step, [0.0003, slow])
+    ]
+    assert [(e["kind"], e["step"]) for e in events] == [("straggler", 51)]  # the 3rd reading: 0.1, 0.12, 0.11
+
+
 def test_round_trips_below_the_gap_or_without_a_reading_are_not_stragglers() -> None:
     watch = StragglerWatch(factor=1.5, steps=1, min_gap_s=0.02, measure=WorkerValue.LINK_RTT_S)
     assert watch.observe(1, [0.00005, 0.0005, 0.0004]) == []  # a rank on the head's node: 10x, 0.45 ms

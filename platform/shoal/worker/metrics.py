@@ -122,14 +122,18 @@ class StragglerWatch:
     """A worker whose `measure` (its busy time, or its link's round trip) exceeds `factor`
     x the median of the others (and them by at least `min_gap_s`) for `steps` steps in a
     row is a straggler: one event when it starts, one when it recovers. Ranks without a
-    reading (negative) are left out. Events come as `{"kind": EventKind, **fields}`."""
+    reading (negative) are left out. A measure read less often than every step (a link's
+    round trip) counts `steps` of the rank's own readings, so that one slow reading seen
+    by many steps is not a streak. Events come as `{"kind": EventKind, **fields}`."""
 
     def __init__(
         self, factor: float, steps: int, min_gap_s: float, measure: WorkerValue = WorkerValue.BUSY_S
     ):
         self.factor, self.steps, self.min_gap_s, self.measure = factor, steps, min_gap_s, measure
+        self.per_reading = measure == WorkerValue.LINK_RTT_S
         self.streaks: dict[int, int] = defaultdict(int)
         self.flagged: set[int] = set()
+        self.last: dict[int, float] = {}
 
     def observe(
         self, step: int, values: list[float], nodes: list[str | None] | None = None
@@ -143,6 +147,9 @@ class StragglerWatch:
                 return []
             median = statistics.median(others)
             slow = seconds > self.factor * median and seconds - median >= self.min_gap_s
+            if self.per_reading and self.last.get(rank) == seconds:
+                continue  # the same reading as at the last step
+            self.last[rank] = seconds
             self.streaks[rank] = self.streaks[rank] + 1 if slow else 0
             where = {"node": nodes[rank]} if nodes and nodes[rank] else {}
             if slow and self.streaks[rank] == self.steps:
@@ -150,7 +157,7 @@ class StragglerWatch:
                 events.append(
                     {
                         "kind": EventKind.STRAGGLER,
-                        "cause": "link" if self.measure == WorkerValue.LINK_RTT_S else "compute",
+                        "cause": "link" if self.per_reading else "compute",
                         "rank": rank,
                         **where,
                         "step": step,
