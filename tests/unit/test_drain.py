@@ -3,7 +3,10 @@ Recorder in order, a stop message ends it, nothing queued before the stop is los
 
 from __future__ import annotations
 
+import os
 import queue
+import signal
+import time
 from typing import Any
 
 import pytest
@@ -115,3 +118,39 @@ def test_an_idle_queue_retries_buffered_mlflow_writes(monkeypatch: pytest.Monkey
         drainer.join(timeout=0.01)
     drainer.finish()
     assert recorder.handled == []
+
+
+class GoneQueue(ListQueue):
+    """A queue whose actor died with the cluster (a cancelled Slurm job stops Ray)."""
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        raise ConnectionError("The actor is unavailable: RPC error: Socket closed\nmore detail")
+
+    size = get  # type: ignore[assignment]
+
+
+def test_a_queue_gone_with_the_cluster_is_one_line_not_a_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    drainer = Drainer(GoneQueue(), FakeRecorder())  # type: ignore[arg-type]
+    with caplog.at_level("WARNING", logger="shoal"):
+        drainer.start()
+        drainer.finish()
+    gone = "ConnectionError: The actor is unavailable: RPC error: Socket closed"  # its first line
+    assert [r.getMessage() for r in caplog.records] == [
+        f"lost the report queue: {gone}",
+        f"could not drain the last reports: {gone}",
+    ]
+    assert all(r.exc_info is None for r in caplog.records)
+
+
+def test_a_sigterm_while_training_is_named_as_the_reason() -> None:
+    from shoal.launch.run import Interrupted, fit_interruptibly  # imports Ray: only this test
+
+    class SignalledTrainer:
+        def fit(self) -> None:
+            os.kill(os.getpid(), signal.SIGTERM)  # as scancel or `kill` would
+            time.sleep(10)
+
+    with pytest.raises(Interrupted) as caught:
+        fit_interruptibly(SignalledTrainer())
+    assert caught.value.reason == "stopped by SIGTERM"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler was put back

@@ -79,6 +79,14 @@ class RunResult:
         return self.status == "FINISHED"
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C or a SIGTERM (`scancel`, `kill`, a stopped Ray job) while training."""
+
+    def __init__(self, signum: signal.Signals):
+        super().__init__(signum)
+        self.reason = "interrupted (Ctrl-C)" if signum == signal.SIGINT else f"stopped by {signum.name}"
+
+
 def fit_interruptibly(trainer: Any) -> None:
     """`trainer.fit()` in a helper thread, so that Ctrl-C and SIGTERM reach shoal.
 
@@ -94,7 +102,7 @@ def fit_interruptibly(trainer: Any) -> None:
             outcome["error"] = exc
 
     def on_signal(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
+        raise Interrupted(signal.Signals(signum))
 
     if threading.current_thread() is not threading.main_thread():
         trainer.fit()  # signals belong to whoever owns the main thread
@@ -318,8 +326,9 @@ def run(
                 _log_final_model(result, loaded, storage, run_name, options)
         except TrainingFailedError as exc:
             result.reason = storage_hint(failure_reason(exc), storage)
-        except KeyboardInterrupt:
-            result.status, result.reason = "KILLED", "interrupted (Ctrl-C)"
+        except KeyboardInterrupt as exc:
+            result.status = "KILLED"
+            result.reason = exc.reason if isinstance(exc, Interrupted) else "interrupted (Ctrl-C)"
         finally:
             if drainer.is_alive():
                 drainer.finish()

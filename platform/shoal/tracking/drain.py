@@ -47,8 +47,8 @@ class Drainer(threading.Thread):
             except queue.Empty:  # ray.util.queue.Empty is one
                 self.recorder.run.flush()  # retries buffered writes while MLflow is away
                 continue
-            except Exception:  # the queue actor went away with the cluster
-                log.exception("lost the report queue")
+            except Exception as exc:  # the queue actor went away with the cluster
+                _lost_queue("lost the report queue", exc)
                 return
             self._handle(message)  # a stop message is ignored; `stopping` then ends the loop
 
@@ -76,5 +76,13 @@ class Drainer(threading.Thread):
             remaining = self.queue.size()
             for message in self.queue.get_nowait_batch(remaining) if remaining else []:
                 self._handle(message)
-        except Exception:
-            log.exception("could not drain the last reports")
+        except Exception as exc:
+            _lost_queue("could not drain the last reports", exc)
+
+
+def _lost_queue(what: str, exc: Exception) -> None:
+    """One line: the queue's actor dies with the cluster (a cancelled Slurm job stops Ray on
+    every node as the driver is told to stop), which is no fault of the run's; the
+    traceback goes to the debug log."""
+    log.warning("%s: %s: %s", what, type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
+    log.debug("%s", what, exc_info=exc)
