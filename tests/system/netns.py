@@ -15,9 +15,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,6 +66,9 @@ class Network:
         self.hub = f"{self.tag}-hub"
         self.nodes: list[Node] = []
         self.processes: list[subprocess.Popen] = []
+        # Ray's temp dir for every process in the nodes: short (Ray's socket paths must be),
+        # and removed by close(), so no /tmp/ray/ray_current_cluster names a dead cluster after
+        self.ray_tmp = tempfile.mkdtemp(prefix=f"{self.tag}-ray-")
 
     def __enter__(self) -> Network:
         _ip("netns", "add", self.hub)
@@ -125,8 +130,8 @@ class Network:
 
     def env(self, **extra: str) -> dict[str, str]:
         """The environment of a process in a node: the test network guard lets it reach the
-        links' subnet, which exists only inside these namespaces."""
-        return {**os.environ, "SHOAL_NETGUARD_LINKS": self.subnet, **extra}
+        links' subnet, which exists only inside these namespaces; Ray's temp dir is the network's."""
+        return {**os.environ, "SHOAL_NETGUARD_LINKS": self.subnet, "RAY_TMPDIR": self.ray_tmp, **extra}
 
     def popen(self, node: Node, args: list[str], log: Path, **kwargs: Any) -> subprocess.Popen:
         """A process in `node`'s namespace, in a session of its own, output to `log`."""
@@ -172,3 +177,4 @@ class Network:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(int(pid), signal.SIGKILL)
             subprocess.run(["ip", "netns", "del", namespace], check=False, capture_output=True)
+        shutil.rmtree(self.ray_tmp, ignore_errors=True)
