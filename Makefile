@@ -34,6 +34,7 @@ clean:
 bench: $(STAMP)
 	$(BIN)/python bench/data_plane.py --repeats 3
 	$(BIN)/python bench/val_parity.py --seeds 3
+	$(BIN)/python bench/telemetry.py --repeats 3
 	$(BIN)/python bench/run.py --repeats 3
 
 bench-recovery: $(STAMP)

@@ -27,6 +27,7 @@ from bench.cpu_share import CpuSampler  # noqa: E402
 from bench.data_plane_report import data_plane, val_parity  # noqa: E402
 from bench.multinode import three_node_cluster  # noqa: E402
 from bench.report import RECOVERY_SECTION, commit_ab, machine, render  # noqa: E402
+from bench.telemetry_report import telemetry  # noqa: E402
 from shoal.messages import Metric  # noqa: E402
 
 BIN = Path(sys.executable).parent
@@ -125,6 +126,9 @@ def main() -> None:
     plane = REPO / "bench" / "results_data_plane.json"  # bench/data_plane.py's, when run
     if plane.exists():
         text += "\n".join(data_plane(json.loads(plane.read_text()))) + "\n"
+    telemetry_runs = REPO / "bench" / "results_telemetry.json"  # bench/telemetry.py's, when run
+    if telemetry_runs.exists():
+        text += "\n".join(telemetry(json.loads(telemetry_runs.read_text()))) + "\n"
     parity = REPO / "bench" / "results_val_parity.json"  # bench/val_parity.py's, when run
     if parity.exists():
         text += "\n".join(val_parity(json.loads(parity.read_text()))) + "\n"

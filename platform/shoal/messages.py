@@ -135,6 +135,16 @@ def gpu_metric(rank: int, reading: GpuReading) -> str:
     return f"{GPU_PREFIX}{rank}/{reading}"
 
 
+# Beyond `monitor.per_rank_up_to` ranks, a per-rank value is logged as its spread across the
+# ranks: `worker/busy_s/min`, `.../median`, `.../max` and `.../max_rank` (the rank with the max).
+ACROSS_RANKS = ("min", "median", "max", "max_rank")
+
+
+def across_ranks(series: str, stat: str) -> str:
+    """`worker/busy_s` + `max` -> `worker/busy_s/max`."""
+    return f"{series}/{stat}"
+
+
 def data_metric(count: DataCount, rank: int | None = None) -> str:
     """`data/<rank>/<count>` for one rank's count, `data/<count>` for the sum over the ranks."""
     return f"{DATA_PREFIX}{count}" if rank is None else f"{DATA_PREFIX}{rank}/{count}"
@@ -274,7 +284,8 @@ _OWN_PREFIX = "shoal_"
 @dataclass
 class WorkerReport:
     """What one rank passes to `ray.train.report` as its metrics (Ray Train's `_TrainingReport`
-    adds the checkpoint). Every rank sends the same steps and events; profiles are its own."""
+    adds the checkpoint). Rank 0 sends the steps and events (every rank holds the same), the
+    others their summary alone; profiles are each rank's own."""
 
     summary: ReportSummary
     steps: list[StepRecord] = field(default_factory=list)
@@ -347,7 +358,7 @@ class ReportMessage:
     @classmethod
     def from_ranks(cls, per_rank_metrics: list[Mapping[str, Any]], checkpoint: str | None) -> ReportMessage:
         """One message from every rank's `ray.train.report` metrics, as the controller sees them:
-        the ranks send the same steps and events, so rank 0's are read; profiles from each."""
+        the steps and events are rank 0's; profiles from each."""
         lead = WorkerReport.from_metrics(per_rank_metrics[0])
         profiles = [
             ProfileTrace.from_dict(trace)

@@ -9,11 +9,22 @@ import torch
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 
+from shoal.messages import (
+    EVENTS_KEY,
+    STEPS_KEY,
+    DataCount,
+    EventKind,
+    GpuReading,
+    ReportMessage,
+    ReportSummary,
+    StepRecord,
+)
 from shoal.models.cost import trace_cost
+from shoal.spec.schema import MonitorSpec
 from shoal.tracking.artifacts import plot_run
 from shoal.tracking.mlflow_run import is_unreachable
-from shoal.worker.metrics import StragglerWatch, worker_metrics
-from shoal.worker.reporting import StepStats
+from shoal.worker.metrics import RankWatch, StragglerWatch, per_rank_series, worker_metrics
+from shoal.worker.reporting import Reporter, StepStats
 
 
 def test_a_straggler_is_flagged_once_after_k_slow_steps_and_recovers() -> None:
@@ -74,3 +85,79 @@ def test_meta_trace_counts_the_flops_of_a_linear_model() -> None:
     # backward: the input of the first layer needs no gradient, so 2x forward minus that matmul
     assert cost.flops_per_sample == pytest.approx(forward + 2 * forward - 2 * 64 * 32)
     assert cost.parameters == 64 * 32 + 32 + 32 * 10 + 10
+
+
+def test_per_rank_series_up_to_the_threshold_then_their_spread_and_the_stragglers_own() -> None:
+    def named(rank: int) -> str:
+        return f"worker/{rank}/busy_s"
+
+    assert per_rank_series([0.1, 0.3], named, "worker/busy_s", 8, set()) == {
+        "worker/0/busy_s": 0.1,
+        "worker/1/busy_s": 0.3,
+    }
+    values = [0.1] * 63 + [0.5]
+    values[7] = 0.05
+    assert per_rank_series(values, named, "worker/busy_s", 8, {63}) == {
+        "worker/63/busy_s": 0.5,
+        "worker/busy_s/min": 0.05,
+        "worker/busy_s/median": 0.1,
+        "worker/busy_s/max": 0.5,
+        "worker/busy_s/max_rank": 63.0,
+    }
+    no_reading = per_rank_series([-1.0] * 16, named, "worker/busy_s", 8, {3})  # a link not yet timed
+    assert no_reading == {}
+
+
+def test_rows_per_step_stay_flat_beyond_the_threshold() -> None:
+    def rows(world: int) -> int:
+        gathered = {
+            "busy_s": [0.01 * (r % 7) for r in range(world)],
+            "link_rtt_s": [0.0002] * world,
+            "peak_mb": [100.0] * world,
+            **{reading: [1.0] * world for reading in GpuReading},
+        }
+        return len(worker_metrics(gathered, gpus=True, up_to=8, keep={1}))
+
+    assert rows(2) < rows(8) and rows(9) == rows(64) == rows(1024) < rows(8)
+
+
+def test_a_flagged_straggler_keeps_its_own_series_from_the_step_it_is_flagged() -> None:
+    watch = RankWatch(MonitorSpec(stragglers={"factor": 2.0, "steps": 2, "min_gap_s": 0.01}))
+    world, shown = 32, []
+    for step in range(1, 5):
+        gathered = {
+            "busy_s": [0.01] * 31 + [0.2],
+            "link_rtt_s": [-1.0] * world,
+            "link_address": [-1.0] * world,
+            "peak_mb": [1.0] * world,
+        }
+        events = watch.observe(step, gathered)
+        shown.append(
+            ("worker/31/busy_s" in watch.step_metrics(gathered, gpus=False), [e["kind"] for e in events])
+        )
+    assert shown == [(False, []), (True, ["straggler"]), (True, []), (True, [])]
+    epoch = watch.epoch_metrics({f"data/{count}": [10.0] * world for count in DataCount})
+    assert epoch["data/bytes_read"] == 320.0 and epoch["data/bytes_read/max"] == 10.0
+    assert "data/31/bytes_read" in epoch and "data/0/bytes_read" not in epoch
+
+
+class Reports:
+    def __init__(self) -> None:
+        self.sent: list[dict] = []
+
+    def report(self, metrics: dict, *args: object) -> None:
+        self.sent.append(metrics)
+
+
+def test_only_rank_0_sends_the_records_the_driver_reads() -> None:
+    sent = {}
+    for rank in (0, 1):
+        context = Reports()
+        reporter = Reporter(StepStats(world_size=2, interval_s=1e9, rank=rank), context)  # type: ignore[arg-type]
+        reporter.record_step(StepRecord(1, 1.0, {"train/loss": 2.0}))
+        reporter.event(EventKind.EVAL, step=1)
+        reporter.send(ReportSummary(1, 0, 8, 2, 10))
+        sent[rank] = context.sent[0]
+    message = ReportMessage.from_ranks([sent[0], sent[1]], None)
+    assert [r.step for r in message.steps] == [1] and [e.kind for e in message.events] == [EventKind.EVAL]
+    assert sent[1]["step"] == 1 and sent[1][STEPS_KEY] == [] and sent[1][EVENTS_KEY] == []

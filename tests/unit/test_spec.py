@@ -47,6 +47,7 @@ def test_defaults_fill_every_section() -> None:
             "link_min_gap_s": 0.02,
             "link_probe_every_s": 5.0,
         },
+        "per_rank_up_to": 8,
         "profile": None,
         "tensorboard": False,
     }

@@ -269,6 +269,9 @@ class ProfileSpec(Section):
 
 class MonitorSpec(Section):
     stragglers: StragglerSpec = Field(default_factory=StragglerSpec)
+    # each rank's own series (worker/R/..., gpu/R/..., data/R/...) up to this many ranks;
+    # beyond, their min / median / max and arg-max rank, and the stragglers' own series
+    per_rank_up_to: int = Field(8, ge=0, le=1_000_000)
     profile: ProfileSpec | None = None  # a torch.profiler trace of these steps, per rank
     tensorboard: bool = False  # also write TensorBoard event files (and traces) under the run dir
 

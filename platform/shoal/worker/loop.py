@@ -39,16 +39,14 @@ from shoal.worker.checkpoint.state import Position, TrainingState
 from shoal.worker.config import WorkerConfig
 from shoal.worker.context import RayTrainContext, TrainContext
 from shoal.worker.engine import Engine
-from shoal.worker.links import LINK_ADDRESS, LinkProbe, address_of, parse_address
+from shoal.worker.links import LinkProbe, parse_address
 from shoal.worker.metrics import (
     GpuReadings,
     PhaseClock,
-    StragglerWatch,
-    data_metrics,
+    RankWatch,
     device_name,
     peak_memory_mb,
     read_counts_per_rank,
-    worker_metrics,
 )
 from shoal.worker.profiling import ProfileWindow
 from shoal.worker.reporting import MetricNamesError, Reporter, StepStats
@@ -89,13 +87,11 @@ class Trainer:
         self.reporter = Reporter(StepStats(self.world, config.report_interval_s, self.rank), context)
         monitor = workload.monitor
         self.clock, self.gpu = PhaseClock(self.device), GpuReadings(self.device)
-        stragglers = monitor.stragglers
-        self.stragglers = StragglerWatch(stragglers.factor, stragglers.steps, stragglers.min_gap_s)
-        self.slow_links = StragglerWatch(
-            stragglers.factor, stragglers.steps, stragglers.link_min_gap_s, WorkerValue.LINK_RTT_S
-        )
+        self.ranks = RankWatch(monitor)
         head = context.head_address if self.world > 1 else None  # one rank has no others to compare
-        self.link_probe = LinkProbe(head and parse_address(head), stragglers.link_probe_every_s).start()
+        self.link_probe = LinkProbe(
+            head and parse_address(head), monitor.stragglers.link_probe_every_s
+        ).start()
         self.profile = ProfileWindow(monitor.profile, self.rank, self.device, config.run_dir)
         self.flops_per_step: float | None = None
         self.stalls: dict[str, float] = {"checkpoint": 0.0, "eval": 0.0}  # between steps
@@ -274,7 +270,7 @@ class Trainer:
         elapsed, self.step_started = time.perf_counter() - self.step_started, time.perf_counter()
         self._record(loss, elapsed, self.engine.objective.predicted_tokens(last.batch), phases, gathered)
         if last.last_of_epoch:
-            self.reporter.steps[-1].values.update(data_metrics(gathered))
+            self.reporter.steps[-1].values.update(self.ranks.epoch_metrics(gathered))
         self._record_model_metrics(reduced.metrics)
         return self._after_step(reduced.report_due)
 
@@ -356,6 +352,8 @@ class Trainer:
         phases: dict[str, float],
         gathered: dict[str, list[float]],
     ) -> None:
+        for event in self.ranks.observe(self.position.step, gathered):
+            self.reporter.event(event.pop("kind"), **event)
         samples = self.global_batch
         values = {
             Metric.TRAIN_LOSS: loss,
@@ -372,7 +370,7 @@ class Trainer:
             Metric.TIME_OPTIMIZER_S: phases.get("optimizer", 0.0),
             Metric.TIME_CHECKPOINT_S: self.stalls["checkpoint"],
             Metric.TIME_EVAL_S: self.stalls["eval"],
-            **worker_metrics(gathered, self.gpu.available),
+            **self.ranks.step_metrics(gathered, self.gpu.available),
         }
         self.stalls = {"checkpoint": 0.0, "eval": 0.0}
         if self.flops_per_step:
@@ -381,14 +379,6 @@ class Trainer:
         if self.task == "lm":
             values[Metric.TRAIN_TOKENS_PER_S] = samples * predicted_per_sample / elapsed
             values[Metric.TRAIN_TOKENS_PER_S_PER_WORKER] = values[Metric.TRAIN_TOKENS_PER_S] / self.world
-        # Every rank sees the same gathered times and so records the same events: a rank-0-only
-        # event would make rank 0 alone decide to report, and ray.train.report is a barrier.
-        step, nodes = self.position.step, [address_of(n) for n in gathered[LINK_ADDRESS]]
-        for event in [
-            *self.stragglers.observe(step, gathered[WorkerValue.BUSY_S], nodes),
-            *self.slow_links.observe(step, gathered[WorkerValue.LINK_RTT_S], nodes),
-        ]:
-            self.reporter.event(event.pop("kind"), **event)
         if self.engine.precision.scaler is not None:
             values[Metric.TRAIN_SKIPPED_STEPS] = self.engine.precision.skipped_steps
         # Its time is when the step ended: MLflow's timestamp for this step's points.

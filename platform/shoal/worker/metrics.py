@@ -12,23 +12,30 @@ import resource
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Set
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
 
 from shoal.data.reader import ReadCounts
 from shoal.messages import (
+    ACROSS_RANKS,
+    GPU_PREFIX,
+    WORKER_PREFIX,
     DataCount,
     EventKind,
     GpuReading,
     Metric,
     WorkerValue,
+    across_ranks,
     data_metric,
     gpu_metric,
     worker_metric,
 )
+from shoal.spec.schema import MonitorSpec
+from shoal.worker.links import LINK_ADDRESS, address_of
 
 
 class PhaseClock:
@@ -173,21 +180,76 @@ class StragglerWatch:
         return events
 
 
-def worker_metrics(gathered: dict[str, list[float]], gpus: bool) -> dict[str, float]:
-    """Per-worker values (every rank's, from the step's all-reduce: `busy_s`, `peak_mb` and
-    the GPU readings) as MLflow metrics."""
+def per_rank_series(
+    values: list[float], name_of: Callable[[int], str], across: str, up_to: int, keep: Set[int]
+) -> dict[str, float]:
+    """One value per rank (negatives: no reading) as metrics: each rank's own series up to
+    `up_to` ranks; beyond, the spread across ranks (`ACROSS_RANKS` stats under `across`, the
+    arg-max rank among them) and the own series of the ranks in `keep` only (stragglers), so
+    that the rows per step stay flat however many ranks there are."""
+    measured = {rank: value for rank, value in enumerate(values) if value >= 0}
+    if len(values) <= up_to:
+        return {name_of(rank): value for rank, value in measured.items()}
+    metrics = {name_of(rank): measured[rank] for rank in sorted(keep) if rank in measured}
+    if measured:
+        top = max(measured, key=measured.__getitem__)
+        spread = (min(measured.values()), statistics.median(measured.values()), measured[top], float(top))
+        metrics.update(
+            {across_ranks(across, stat): value for stat, value in zip(ACROSS_RANKS, spread, strict=True)}
+        )
+    return metrics
+
+
+def worker_metrics(
+    gathered: dict[str, list[float]], gpus: bool, up_to: int = 8, keep: Set[int] = frozenset()
+) -> dict[str, float]:
+    """Per-worker values (every rank's, from the step's all-reduce: `busy_s`, the link's round
+    trip, `peak_mb` and the GPU readings) as MLflow metrics (`per_rank_series`)."""
     busy = gathered[WorkerValue.BUSY_S]
-    metrics = {worker_metric(rank, WorkerValue.BUSY_S): value for rank, value in enumerate(busy)}
-    for rank, seconds in enumerate(gathered.get(WorkerValue.LINK_RTT_S, ())):
-        if seconds >= 0:  # a rank whose link has been timed
-            metrics[worker_metric(rank, WorkerValue.LINK_RTT_S)] = seconds
+    metrics = {}
+    for value in (WorkerValue.BUSY_S, WorkerValue.LINK_RTT_S):
+        series = gathered.get(value, [])
+        metrics.update(
+            per_rank_series(
+                series, partial(worker_metric, value=value), f"{WORKER_PREFIX}{value}", up_to, keep
+            )
+        )
     metrics[Metric.TIME_BUSY_MAX_S] = max(busy)
     metrics[Metric.TIME_BUSY_MEDIAN_S] = statistics.median(busy)
     metrics[Metric.MEMORY_PEAK_MB] = max(gathered["peak_mb"])
     for reading in GpuReadings.FIELDS if gpus else ():
-        for rank, value in enumerate(gathered[reading]):
-            metrics[gpu_metric(rank, reading)] = value
+        name_of = partial(gpu_metric, reading=reading)
+        metrics.update(per_rank_series(gathered[reading], name_of, f"{GPU_PREFIX}{reading}", up_to, keep))
     return metrics
+
+
+class RankWatch:
+    """What the step's all-reduce tells of every rank: stragglers by busy time and by link
+    (`StragglerWatch`), and the per-rank metrics (`per_rank_series`: the flagged ranks keep
+    their own series beyond `monitor.per_rank_up_to` ranks)."""
+
+    def __init__(self, monitor: MonitorSpec):
+        stragglers, self.up_to = monitor.stragglers, monitor.per_rank_up_to
+        self.busy = StragglerWatch(stragglers.factor, stragglers.steps, stragglers.min_gap_s)
+        self.links = StragglerWatch(
+            stragglers.factor, stragglers.steps, stragglers.link_min_gap_s, WorkerValue.LINK_RTT_S
+        )
+
+    def observe(self, step: int, gathered: dict[str, list[float]]) -> list[dict[str, Any]]:
+        """Straggler events of this step. Every rank sees the same gathered values and so
+        records the same events: a rank-0-only event would make rank 0 alone decide to report,
+        and ray.train.report is a barrier."""
+        nodes = [address_of(number) for number in gathered[LINK_ADDRESS]]
+        return [
+            *self.busy.observe(step, gathered[WorkerValue.BUSY_S], nodes),
+            *self.links.observe(step, gathered[WorkerValue.LINK_RTT_S], nodes),
+        ]
+
+    def step_metrics(self, gathered: dict[str, list[float]], gpus: bool) -> dict[str, float]:
+        return worker_metrics(gathered, gpus, self.up_to, self.busy.flagged | self.links.flagged)
+
+    def epoch_metrics(self, gathered: dict[str, list[float]]) -> dict[str, float]:
+        return data_metrics(gathered, self.up_to, self.busy.flagged | self.links.flagged)
 
 
 def read_counts_per_rank(counts: ReadCounts) -> dict[str, float]:
@@ -195,11 +257,15 @@ def read_counts_per_rank(counts: ReadCounts) -> dict[str, float]:
     return {data_metric(count): float(getattr(counts, count)) for count in DataCount}
 
 
-def data_metrics(gathered: dict[str, list[float]]) -> dict[str, float]:
-    """Every rank's reading of the epoch (`read_counts_per_rank`, gathered), and the sums."""
+def data_metrics(
+    gathered: dict[str, list[float]], up_to: int = 8, keep: Set[int] = frozenset()
+) -> dict[str, float]:
+    """Every rank's reading of the epoch (`read_counts_per_rank`, gathered; `per_rank_series`),
+    and the sums."""
     metrics = {}
     for count in DataCount:
         per_rank = gathered[data_metric(count)]
-        metrics.update({data_metric(count, rank): value for rank, value in enumerate(per_rank)})
+        name_of = partial(data_metric, count)
+        metrics.update(per_rank_series(per_rank, name_of, data_metric(count), up_to, keep))
         metrics[data_metric(count)] = sum(per_rank)
     return metrics

@@ -134,7 +134,11 @@ class Reporter:
         checkpoint_name: str | None = None,
         upload_in_background: bool = False,
     ) -> None:
-        report = WorkerReport(summary, self.steps, self.events)
+        # Every rank holds the same records and events; the driver reads rank 0's (Ray Train's
+        # controller gets every rank's report, so the others' copies would grow with the world
+        # squared), and every rank reports: the call is collective.
+        lead = self.stats.rank == 0
+        report = WorkerReport(summary, self.steps if lead else [], self.events if lead else [])
         if checkpoint_dir is None and self.profiles:  # checkpoint reports' metrics are kept by Ray
             report.profiles, self.profiles = self.profiles, []
         self.context.report(report.to_metrics(), checkpoint_dir, checkpoint_name, upload_in_background)
