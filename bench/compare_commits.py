@@ -26,7 +26,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.report import machine  # noqa: E402
+from bench.report import cpu, machine  # noqa: E402
 from bench.run import commands, shoal_result  # noqa: E402
 
 
@@ -80,9 +80,7 @@ def main() -> None:
                 print(f"r{repeat}: " + ", ".join(f"{n} {v:,.0f}" for n, v in speed.items()), flush=True)
         finally:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(base)], check=False)
-    import torch
-
-    measured_on = f"{machine()}; CPU capability {torch.backends.cpu.get_cpu_capability()}"
+    measured_on = f"{machine()}; CPU capability {cpu()}"
     print(f"machine: {measured_on}")
     print(f"precision {args.precision}, {args.repeats} repetitions, {args.steps} steps")
     for name in results:

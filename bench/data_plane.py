@@ -43,7 +43,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.report import machine  # noqa: E402
+from bench.report import cpu, machine  # noqa: E402
 
 BIN = Path(sys.executable).parent
 FEATURES, PER_GROUP, FILES = 256, 2048, 8
@@ -153,9 +153,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--results", default=str(REPO / "bench" / "results_data_plane.json"))
     args = parser.parse_args()
-    import torch
-
-    results: dict[str, Any] = {"machine": machine(), "cpu": torch.backends.cpu.get_cpu_capability()}
+    results: dict[str, Any] = {"machine": machine(), "cpu": cpu()}
     results.update(base=args.base, rows=args.rows, began=time.time())
     with tempfile.TemporaryDirectory(prefix="shoal-data-plane-") as tmp:
         workdir, data, base = Path(tmp), Path(tmp) / "data", Path(tmp) / "base"

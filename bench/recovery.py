@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.report import RECOVERY_SECTION as SECTION  # noqa: E402
-from bench.report import machine, summarise  # noqa: E402
+from bench.report import cpu, machine, summarise  # noqa: E402
 from shoal.messages import Metric  # noqa: E402
 from tests.integration.helpers import registered, shoal_cli, wait_for, worker_pid  # noqa: E402
 from tests.system.conftest import FAST_NODE_FAILURE  # noqa: E402
@@ -160,7 +160,8 @@ def render(results: dict[str, list], repeats: int) -> str:
         [
             SECTION,
             "",
-            f"Machine: {machine()}. `make bench-recovery`; {repeats} repetitions, median (min-max).",
+            f"Machine: {machine()}; CPU capability {cpu()}. `make bench-recovery`; {repeats} repetitions, "
+            "median (min-max).",
             "",
             "| figure | seconds |",
             "| --- | --- |",

@@ -61,13 +61,39 @@ def machine() -> str:
     )
 
 
+def cpu() -> str:
+    """The CPU as torch dispatches for it, and whether it runs bf16 natively (shoal/hardware.py):
+    'AVX512 with AVX512-BF16, bf16 native' or 'AVX2 without AVX512-BF16 or AMX, bf16 emulated'.
+    An emulated bf16 is ~20x slower than fp32, so a bf16 figure means nothing without it."""
+    from shoal.hardware import this_cpu
+
+    found = this_cpu()
+    return f"{found.describe().removeprefix('CPU ')}, bf16 {'native' if found.bf16 else 'emulated'}"
+
+
+def cpu_line(results: dict[str, Any]) -> str:
+    """The CPU capability a `make bench` run saved; runs from before it was saved say so, with
+    what their own bf16 figures show."""
+    if results.get("cpu"):
+        return f"CPU capability {results['cpu']}"
+    speed = {
+        precision: statistics.median(r["tokens_per_s"] for r in results["runs"][precision]["shoal"])
+        for precision in ("fp32", "bf16")
+    }
+    faster = speed["bf16"] / speed["fp32"]
+    return (
+        f"CPU capability not recorded by this run (bf16 ran {faster:.1f}x as fast as fp32 in it, "
+        "which only a CPU with native bf16 does)"
+    )
+
+
 def render(results: dict[str, Any]) -> str:
     began, ended = (time.strftime("%Y-%m-%d %H:%M", time.gmtime(results[k])) for k in ("began", "ended"))
     minutes = (results["ended"] - results["began"]) / 60
     lines = [
         "# Benchmarks",
         "",
-        f"Machine: {results['machine']}.",
+        f"Machine: {results['machine']}; {cpu_line(results)}.",
         f"Measured by `make bench` from {began} to {ended} UTC ({minutes:.1f} min); raw results in "
         "bench/results.json (`python bench/run.py --render-only` rewrites this file from them).",
         "",

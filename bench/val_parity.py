@@ -24,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.report import machine  # noqa: E402
+from bench.report import cpu, machine  # noqa: E402
 
 BIN = Path(sys.executable).parent
 WORKLOADS = {
@@ -76,9 +76,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--results", default=str(REPO / "bench" / "results_val_parity.json"))
     args = parser.parse_args()
-    import torch
-
-    results: dict = {"machine": machine(), "cpu": torch.backends.cpu.get_cpu_capability(), "base": args.base}
+    results: dict = {"machine": machine(), "cpu": cpu(), "base": args.base}
     results["began"], runs = time.time(), results.setdefault("runs", {})
     with tempfile.TemporaryDirectory(prefix="shoal-val-parity-") as tmp:
         workdir, base = Path(tmp), Path(tmp) / "base"

@@ -22,6 +22,7 @@ from rich.markup import escape
 from shoal import cli_data, cli_inspect, cli_runs
 from shoal.cli_options import shared_options
 from shoal.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, ShoalError
+from shoal.hardware import for_workers
 from shoal.output import Col, FittedTable, Fold, RedactingConsole, iso_time, print_json
 from shoal.redact import redact_logs
 
@@ -126,10 +127,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
     w = loaded.workload
     low, high = w.scaling.worker_range()
     workers = str(low) if low == high else f"{low}-{high}"
+    precision, slow = for_workers(w.train.precision, w.scaling.gpus_per_worker)
     console.print(
         f"[green]ok[/] {args.file}: '{w.name}', {w.model.family or w.model.target or w.model.hf.class_}, "
-        f"{workers} worker(s), {w.parallel.strategy}, {w.train.precision}"
+        f"{workers} worker(s), {w.parallel.strategy}, {precision}"
     )
+    if slow:
+        console.print(f"[yellow]warning[/] {escape(slow)}", soft_wrap=True)
     if sweep := w.sweep:
         console.print(
             f"   sweep: {', '.join(sweep.space)}; {sweep.samples} samples, {sweep.scheduler}, "
@@ -196,6 +200,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     spec = loaded.workload.sweep
     if spec is None:
         return _user_error(f"{args.file}: no 'sweep' section (see README, 'Sweeps')")
+    _warn_of_emulated_precision(loaded)
     with SweepTable(console, list(spec.space), spec.metric, spec.mode):
         result = sweep(loaded, address=args.address, name=args.name, resume=args.resume, verbose=args.verbose)
     console.print(summary(result))
@@ -323,11 +328,18 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _warn_of_emulated_precision(loaded: LoadedWorkload) -> None:
+    """One line when the workers' hardware, as far as this machine can tell, emulates the precision."""
+    if slow := for_workers(loaded.workload.train.precision, loaded.workload.scaling.gpus_per_worker)[1]:
+        console.print(f"[yellow]warning[/] {escape(slow)}", soft_wrap=True)
+
+
 def _train(loaded: LoadedWorkload, options: RunOptions) -> int:
     # deferred: this layer imports torch, Ray or MLflow (seconds); see the module docstring
     from shoal.api import run
     from shoal.launch.progress import TerminalProgress, summary_table
 
+    _warn_of_emulated_precision(loaded)
     with TerminalProgress(console) as progress:
         result = run(loaded, options=options, observer=progress)
     console.print(summary_table(result))

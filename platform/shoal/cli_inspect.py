@@ -66,7 +66,7 @@ PLAN_COLUMNS = (
     Col("peak", min_width=7, justify="right"),
     Col("fits", fold=Fold.FREELY, min_width=16),
 )
-DOCTOR_STATUS = {"✓": "ok", "✗": "failed", "–": "not applicable"}
+DOCTOR_STATUS = {"✓": "ok", "✗": "failed", "!": "warning", "–": "not applicable"}
 
 
 def _option_data(plan: Any, option: Any) -> dict[str, Any]:
@@ -127,7 +127,9 @@ def plan_data(plan: Any, workload: Any) -> dict[str, Any]:
         "nodes": plan.nodes,
         "interconnect": plan.interconnect,
         "parameters": plan.cost.parameters,
-        "precision": plan.training.precision,
+        "precision": plan.training.precision,  # `auto` as the workers would resolve it on this GPU
+        "asked_precision": plan.asked_precision,
+        "precision_warning": plan.precision_warning,
         "global_batch": plan.global_batch,
         "usable_bytes_per_gpu": plan.usable_bytes,
         "options": options,
@@ -150,10 +152,15 @@ def _plan_row(option: dict[str, Any], chosen: bool) -> list[str]:
     return [layout, *counts, *[_gb(sizes[key]) for key in SIZES], fits]
 
 
+def _precision(data: dict[str, Any]) -> str:
+    asked = data.get("asked_precision")
+    return f"{data['precision']} ({asked})" if asked and asked != data["precision"] else data["precision"]
+
+
 def plan_tables(data: dict[str, Any]) -> list[FittedTable]:
     title = (
         f"{data['gpus']} x {data['gpu']} ({data['nodes']} node(s), {data['interconnect']}); "
-        f"{data['parameters']:,} parameters, {data['precision']}, global batch {data['global_batch']}; "
+        f"{data['parameters']:,} parameters, {_precision(data)}, global batch {data['global_batch']}; "
         f"per GPU, {data['usable_bytes_per_gpu'] / 1e9:.1f} GB usable"
     )
     rows = [_plan_row(option, option is data["recommended"]) for option in data["options"]]
@@ -173,6 +180,8 @@ def plan_tables(data: dict[str, Any]) -> list[FittedTable]:
 def _print_plan(console: Console, data: dict[str, Any]) -> None:
     main_table, *by_precision = plan_tables(data)
     console.print(main_table)
+    if data["precision_warning"]:
+        console.print(f"[yellow]warning[/] {escape(data['precision_warning'])}", soft_wrap=True)
     for option in data["options"]:
         for warning in option["warnings"]:
             console.print(f"[yellow]warning[/] {_layout(option)}: {escape(warning)}")
@@ -220,20 +229,27 @@ def doctor_data(args: argparse.Namespace) -> list[dict[str, str]]:
     from shoal.tracking import resolve_uri
 
     storage, endpoint, uri = "./shoal_runs", None, resolve_uri(None)
+    precision, gpus = None, 0.0
     if args.file:
         from shoal.spec import load
 
         workload = load(args.file, args.overrides).workload
         storage, endpoint = workload.checkpoint.storage, workload.checkpoint.endpoint
         uri = resolve_uri(workload.tracking.uri)
+        precision, gpus = workload.train.precision, workload.scaling.gpus_per_worker
     return [
         {"check": c.name, "status": DOCTOR_STATUS[c.mark], "found": c.detail, "hint": c.hint}
-        for c in run_checks(args.address, uri, storage, endpoint)
+        for c in run_checks(args.address, uri, storage, endpoint, precision, gpus)
     ]
 
 
 def doctor_table(checks: list[dict[str, str]]) -> FittedTable:
-    marks = {"ok": "[green]✓[/]", "failed": "[red]✗[/]", "not applicable": "[dim]–[/]"}
+    marks = {
+        "ok": "[green]✓[/]",
+        "failed": "[red]✗[/]",
+        "warning": "[yellow]![/]",
+        "not applicable": "[dim]–[/]",
+    }
     columns = (
         Col("", fold=Fold.NEVER),
         Col("check", fold=Fold.NEVER),

@@ -186,6 +186,7 @@ def _attempt(event: dict[str, Any]) -> dict[str, Any]:
         "started": iso_time(int(event["time"] * 1000)),
         "world_size": event.get("world_size"),
         "device": event.get("device_name") or event.get("device"),
+        "precision": (event.get("parallel") or {}).get("precision"),  # `auto` as it was resolved
         "restored_step": event.get("restored_step"),
     }
 
@@ -226,11 +227,18 @@ def show_tables(data: dict[str, Any]) -> list[FittedTable]:
         [(escape(k), value_text(v)) for k, v in data["metrics"].items()],
         "final metrics",
     )
-    attempt_columns = ("#", "started", "workers", "device", "restored from step")
+    attempt_columns = ("#", "started", "workers", "device", "precision", "restored from step")
     attempts = FittedTable(
         [Col(c, fold=Fold.NEVER if c in ("#", "started") else Fold.LAST) for c in attempt_columns],
         [
-            (str(n), shown_time(a["started"]), str(a["world_size"]), escape(str(a["device"])), _or_dash(a))
+            (
+                str(n),
+                shown_time(a["started"]),
+                str(a["world_size"]),
+                escape(str(a["device"])),
+                a.get("precision") or "-",
+                _or_dash(a),
+            )
             for n, a in enumerate(data["attempts"], 1)
         ],
         "attempts",

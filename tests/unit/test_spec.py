@@ -130,7 +130,7 @@ def test_bad_override_is_blamed_on_the_override() -> None:
     errors = errors_of(WORKLOADS / "quickstart.yaml", ["train.precision=fp64"])
     assert errors == [
         "--set train.precision=fp64 train.precision: "
-        "must be one of 'fp32', 'bf16', 'fp16' or 'fp8' (got 'fp64')"
+        "must be one of 'fp32', 'bf16', 'fp16', 'fp8' or 'auto' (got 'fp64')"
     ]
     errors = errors_of(WORKLOADS / "quickstart.yaml", ["train.optimzer.lr=1"])
     assert errors == [

@@ -76,9 +76,15 @@ class TerminalProgress:
 def _attempt_line(fields: dict[str, Any]) -> str:
     restored = fields.get("restored_step")
     where = f"resuming from step {restored}" if restored is not None else "from scratch"
+    parallel = fields.get("parallel") or {}
+    chosen = (  # what `auto` became is said; a precision the user named is not repeated
+        f"; precision auto: {parallel.get('precision')} on {parallel.get('hardware')}"
+        if parallel.get("precision_asked") == "auto"
+        else ""
+    )
     return (
         f"[cyan]attempt[/] on {fields['world_size']} worker(s) ({fields['device']}), {where}; "
-        f"{fields['parameters']:,} parameters, accumulation {fields['accumulation']}"
+        f"{fields['parameters']:,} parameters, accumulation {fields['accumulation']}{escape(chosen)}"
     )
 
 

@@ -1,7 +1,8 @@
 """`shoal doctor`: is this machine (and cluster, and tracking store) ready to train?
 
-Each check says ✓ (fine), ✗ (will not work; with a hint) or – (does not apply
-here, e.g. NCCL on a machine without GPUs).
+Each check says ✓ (fine), ✗ (will not work; with a hint), ! (works, slowly: a
+precision this hardware emulates) or – (does not apply here, e.g. NCCL on a
+machine without GPUs).
 """
 
 from __future__ import annotations
@@ -18,6 +19,17 @@ import ray
 import torch
 from mlflow.tracking import MlflowClient
 
+from shoal.hardware import (
+    EMULATED,
+    NATIVE,
+    Cpu,
+    cpu_slowdown,
+    for_workers,
+    support,
+    this_cpu,
+    this_gpu,
+    workers_hardware,
+)
 from shoal.launch.cluster import ClusterError
 from shoal.launch.cluster import probe as probe_cluster
 from shoal.launch.storage import StorageError, open_storage
@@ -25,7 +37,8 @@ from shoal.launch.storage import probe as probe_storage
 from shoal.plan.catalog import gpu_for_device
 from shoal.tracking.mlflow_run import CLIENT_ENV
 
-OK, FAIL, NOT_APPLICABLE = "✓", "✗", "–"
+OK, FAIL, WARN, NOT_APPLICABLE = "✓", "✗", "!", "–"
+SLOW = 3.0  # a precision measured at this many times fp32's time is slow, whatever the flags say
 PINNED = {"torch": "2.13", "ray": "2.60", "mlflow": "3.17"}  # pyproject's tested versions
 MIN_FREE_BYTES = 5e9
 
@@ -73,6 +86,51 @@ def gpus() -> list[Check]:
         detail = f"{props.name}, {props.total_memory / 2**30:.0f} GiB, capability {props.major}.{props.minor}"
         hint = "" if known else "not in shoal's GPU catalog: no MFU, shoal plan cannot target it"
         checks.append(Check(f"gpu {index}", OK if known else NOT_APPLICABLE, detail, hint))
+    return checks
+
+
+def _cpu_detail(cpu: Cpu) -> str:
+    if not cpu.probed:
+        return f"torch capability {cpu.capability}; this torch cannot say whether it has AVX512-BF16 or AMX"
+    features = ", ".join(cpu.features) if cpu.features else "no AVX512-BF16 or AMX"
+    return f"torch capability {cpu.capability}; {features}"
+
+
+def cpu_precisions() -> list[Check]:
+    """This CPU's capability, then bf16 and fp16 on it: native or emulated by its flags, and
+    an autocast Linear forward+backward timed against fp32 now (well under a second)."""
+    cpu = this_cpu()
+    checks = [Check("cpu", OK, _cpu_detail(cpu))]
+    for name, ratio in cpu_slowdown(("bf16", "fp16"), budget_s=0.3).items():
+        native = support(name, cpu).status == NATIVE
+        verdict = "native" if native else "emulated"
+        measured = f"{verdict} by its flags; {ratio:.2g}x fp32's time (a Linear fwd+bwd, measured now)"
+        if native and ratio < SLOW:
+            checks.append(Check(f"{name} on cpu", OK, measured))
+        else:
+            checks.append(Check(f"{name} on cpu", WARN, measured, _cpu_hint(name, native, cpu)))
+    return checks
+
+
+def _cpu_hint(name: str, native: bool, cpu: Cpu) -> str:
+    if native:
+        return "native by the CPU's flags, yet slow: is ONEDNN_MAX_CPU_ISA set? fp32 may be faster"
+    better = "auto or bf16" if name == "fp16" and cpu.bf16 else "auto or fp32"
+    return f"CPU workers: train.precision {better}"
+
+
+def gpu_precisions() -> list[Check]:
+    """bf16 and fp8 on each GPU, by its CUDA capability."""
+    checks = []
+    for index in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
+        gpu = this_gpu(index)
+        for name in ("bf16", "fp8"):
+            found = support(name, gpu)
+            if found.status == NATIVE:
+                checks.append(Check(f"{name} on gpu {index}", OK, "native"))
+            else:
+                hint = found.advice if found.status == EMULATED else "the workers refuse it on this GPU"
+                checks.append(Check(f"{name} on gpu {index}", WARN, f"{found.status}: {found.cost}", hint))
     return checks
 
 
@@ -167,12 +225,37 @@ def storage(where: str, endpoint: str | None) -> list[Check]:
     return [Check("checkpoints", OK if ok else FAIL, f"{path}: {free / 1e9:.1f} GB free", hint)]
 
 
+def workload_precision(precision: str | None, gpus_per_worker: float) -> list[Check]:
+    """A workload's train.precision on the hardware its workers would run on here."""
+    if precision is None:
+        return []
+    hardware = workers_hardware(gpus_per_worker)
+    if hardware is None:
+        return [Check("precision", NOT_APPLICABLE, f"{precision}: GPU workers, and no GPU here to ask")]
+    shown, found = for_workers(precision, gpus_per_worker)[0], support(precision, hardware)
+    detail = f"{shown}: {found.status} on {found.hardware}"
+    if found.status == EMULATED:
+        return [Check("precision", WARN, f"{detail}: {found.cost}", found.advice)]
+    if found.status != NATIVE:
+        return [Check("precision", FAIL, f"{detail}: {found.cost}", "train.precision: bf16 or auto")]
+    return [Check("precision", OK, detail)]
+
+
 def run_checks(
-    address: str | None, tracking_uri: str, checkpoint_storage: str, endpoint: str | None
+    address: str | None,
+    tracking_uri: str,
+    checkpoint_storage: str,
+    endpoint: str | None,
+    precision: str | None = None,
+    gpus_per_worker: float = 0,
 ) -> list[Check]:
+    """Every check; with a workload's precision, also how this machine would run it."""
     return [
         *versions(),
+        *cpu_precisions(),
         *gpus(),
+        *gpu_precisions(),
+        *workload_precision(precision, gpus_per_worker),
         *topology(),
         *ray_cluster(address),
         *tracking(tracking_uri),

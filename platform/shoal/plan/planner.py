@@ -17,6 +17,7 @@ import yaml
 
 from shoal.data.sources import builtin_shapes, column_shapes, parquet_files, window_length
 from shoal.errors import ShoalError
+from shoal.hardware import resolve_auto, support
 from shoal.models import ParallelModel, model_class, model_task
 from shoal.models.cost import ModelCost, trace_cost
 from shoal.models.objective import Objective
@@ -64,6 +65,8 @@ class Plan:
     usable_bytes: float
     options: list[Option]
     choice: Option | None
+    asked_precision: str = "fp32"  # train.precision as written (`auto`: training.precision is its value)
+    precision_warning: str | None = None  # the precision is emulated on this GPU, or cannot run
 
 
 def sample_shapes(workload: Workload) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -212,6 +215,10 @@ def make_plan(
 ) -> Plan:
     link = check_arguments(gpu_key, gpus, nodes, interconnect)
     gpu = CATALOG[gpu_key]
+    asked = workload.train.precision
+    if asked == "auto":  # planned as the workers will resolve it on this GPU
+        resolved = resolve_auto(gpu.hardware)
+        workload = Workload.model_validate(with_values(workload.resolved(), {"train.precision": resolved}))
     cost = model_cost(workload, workload.train.precision)
     usable = USABLE_SHARE * (gpu.memory_bytes - RESERVED_BYTES)
     global_batch = global_batch_size(workload)
@@ -224,7 +231,9 @@ def make_plan(
         options.append(option)
     fitting = [o for o in options if o.fits]
     choice = next((o for o in fitting if not o.warnings), fitting[0] if fitting else None)
-    return Plan(gpu, gpus, nodes, link, cost, training_of(workload), global_batch, usable, options, choice)
+    warning = support(workload.train.precision, gpu.hardware).warning()
+    training = training_of(workload)
+    return Plan(gpu, gpus, nodes, link, cost, training, global_batch, usable, options, choice, asked, warning)
 
 
 def recommended_values(plan: Plan) -> dict[str, Any]:

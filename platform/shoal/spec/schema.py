@@ -139,7 +139,8 @@ class TrainSpec(Section):
     max_steps: Count | None = None
     epochs: Count | None = None
     global_batch_size: Rows | None = None
-    precision: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"
+    # auto: bf16 where the workers' device runs it natively, else fp32 (shoal/hardware.py)
+    precision: Literal["fp32", "bf16", "fp16", "fp8", "auto"] = "fp32"
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     compile: bool = False
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)

@@ -241,7 +241,9 @@ class Engine:
             "dp_replicate": d.dp_replicate,
             "dp_shard": d.dp_shard,
             "tp": d.tp,
-            "precision": self.precision.name,
+            "precision": self.precision.name,  # `auto` resolved, the same on every rank
+            "precision_asked": self.precision.asked,
+            "hardware": self.precision.hardware,  # this rank's device, as shoal/hardware.py says it
         }
 
 

@@ -1,5 +1,6 @@
 """Numeric precision: fp32, bf16 (FSDP mixed precision or autocast), fp16 (autocast +
-GradScaler, skipped steps counted), fp8 (torchao float8 training on CUDA >= 8.9 only)."""
+GradScaler, skipped steps counted), fp8 (torchao float8 training on CUDA >= 8.9 only),
+auto (bf16 where every rank's device runs it natively, else fp32: shoal/hardware.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ from contextlib import nullcontext
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from shoal.errors import ShoalError
+from shoal.hardware import device_hardware, resolve_auto
 from shoal.models.protocol import ParallelModel
 
 FP8_CAPABILITY = (8, 9)
@@ -37,9 +40,27 @@ def require_fp8() -> None:
         )
 
 
+def agreed_precision(asked: str, device: torch.device) -> str:
+    """`auto` resolved on this rank's device; under a process group, the ranks' minimum (one
+    tiny all-reduce), so one rank without native bf16 makes them all fp32: FSDP's all-gathers
+    and the replicas' numerics need one precision. Any other name is returned as it is."""
+    if asked != "auto":
+        return asked
+    resolved = resolve_auto(device_hardware(device))
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        native = torch.tensor([int(resolved == "bf16")], device=device)
+        dist.all_reduce(native, op=dist.ReduceOp.MIN)
+        resolved = "bf16" if native.item() else "fp32"
+    return resolved
+
+
 class Precision:
     def __init__(self, name: str, device: torch.device, uses_fsdp: bool):
-        self.name, self.device = name, device
+        """`name` is train.precision; `auto` is resolved here, with every rank (a collective
+        under a process group: every rank builds its Precision at the same point)."""
+        self.asked, self.device = name, device
+        self.hardware = device_hardware(device).describe()
+        self.name = name = agreed_precision(name, device)
         self.fsdp_param_dtype = torch.bfloat16 if (name == "bf16" and uses_fsdp) else None
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(name)
         if self.fsdp_param_dtype is not None:
