@@ -25,8 +25,9 @@ sys.path.insert(0, str(REPO))
 from bench.common import WARMUP_STEPS  # noqa: E402
 from bench.cpu_share import CpuSampler  # noqa: E402
 from bench.data_plane_report import data_plane, val_parity  # noqa: E402
+from bench.gpu_report import section as one_gpu  # noqa: E402
 from bench.multinode import three_node_cluster  # noqa: E402
-from bench.report import RECOVERY_SECTION, commit_ab, machine, render  # noqa: E402
+from bench.report import RECOVERY_SECTION, commit_ab, cpu, machine, render  # noqa: E402
 from bench.telemetry_report import telemetry  # noqa: E402
 from shoal.messages import Metric  # noqa: E402
 
@@ -132,6 +133,9 @@ def main() -> None:
     parity = REPO / "bench" / "results_val_parity.json"  # bench/val_parity.py's, when run
     if parity.exists():
         text += "\n".join(val_parity(json.loads(parity.read_text()))) + "\n"
+    one_gpu_runs = REPO / "bench" / "results_gpu.json"  # `make gpu-check`'s, when run on a GPU
+    if one_gpu_runs.exists():
+        text += "\n" + "\n".join(one_gpu(json.loads(one_gpu_runs.read_text()))) + "\n"
     if kept[1]:  # `make bench-recovery`'s section stays
         text += "\n" + kept[1] + kept[2]
     out.write_text(text)
@@ -140,7 +144,12 @@ def main() -> None:
 
 def measure(args: argparse.Namespace) -> None:
     """Every contender, repetition by repetition; results saved as they come."""
-    results: dict[str, Any] = {"machine": machine(), "steps": args.steps, "repeats": args.repeats}
+    results: dict[str, Any] = {
+        "machine": machine(),
+        "cpu": cpu(),
+        "steps": args.steps,
+        "repeats": args.repeats,
+    }
     results["began"], runs = time.time(), results.setdefault("runs", {})
 
     def record(precision: str, name: str, tag: str, address: str = "") -> None:
