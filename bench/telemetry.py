@@ -26,12 +26,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.report import machine  # noqa: E402
+from bench.report import cpu, machine  # noqa: E402
 from shoal.messages import GpuReading, Metric, ReportSummary, StepRecord, WorkerValue  # noqa: E402
 from shoal.spec.schema import MonitorSpec  # noqa: E402
 from shoal.tracking import Recorder, open_run  # noqa: E402
@@ -136,7 +134,7 @@ def drive(reports: list[list[dict[str, Any]]], store: Path, name: str) -> dict[s
 
 def measure(repeats: int, worlds: tuple[int, ...]) -> dict[str, Any]:
     results: dict[str, Any] = {"machine": machine(), "began": time.time(), "repeats": repeats}
-    results["cpu"] = torch.backends.cpu.get_cpu_capability()
+    results["cpu"] = cpu()
     results.update(steps=STEPS, steps_per_report=STEPS_PER_REPORT, runs={})
     with tempfile.TemporaryDirectory(prefix="shoal-telemetry-") as tmp:
         for repeat in range(repeats):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shoal.worker import precision
 from shoal.worker.precision import Precision, PrecisionError, fp8_supported
 
 
@@ -45,3 +46,11 @@ def test_bf16_uses_autocast_without_fsdp_and_the_policy_with_it() -> None:
 def test_fp8_is_refused_here_with_the_requirement() -> None:
     with pytest.raises(PrecisionError, match=r"needs a CUDA GPU of capability >= 8.9"):
         Precision("fp8", torch.device("cpu"), uses_fsdp=False)
+
+
+def test_fp8_runs_everything_but_its_float8_matmuls_in_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(precision, "require_fp8", lambda: None)  # as on a GPU of capability >= 8.9
+    replicated = Precision("fp8", torch.device("cpu"), uses_fsdp=False)
+    assert replicated.autocast_dtype == torch.bfloat16 and replicated.fsdp_param_dtype is None
+    sharded = Precision("fp8", torch.device("cpu"), uses_fsdp=True)
+    assert sharded.fsdp_param_dtype == torch.bfloat16 and sharded.autocast_dtype is None

@@ -61,8 +61,10 @@ class Precision:
         self.asked, self.device = name, device
         self.hardware = device_hardware(device).describe()
         self.name = name = agreed_precision(name, device)
-        self.fsdp_param_dtype = torch.bfloat16 if (name == "bf16" and uses_fsdp) else None
-        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(name)
+        # fp8 is float8 matmuls in the converted Linears and bf16 everywhere else, as in
+        # torchtitan: without it attention, norms and the rest would run in fp32
+        self.fsdp_param_dtype = torch.bfloat16 if (name in ("bf16", "fp8") and uses_fsdp) else None
+        self.autocast_dtype = {"bf16": torch.bfloat16, "fp8": torch.bfloat16, "fp16": torch.float16}.get(name)
         if self.fsdp_param_dtype is not None:
             self.autocast_dtype = None  # FSDP's MixedPrecisionPolicy casts the parameters
         self.scaler = torch.amp.GradScaler(device.type) if name == "fp16" else None
