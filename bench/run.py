@@ -127,12 +127,12 @@ def main() -> None:
     plane = REPO / "bench" / "results_data_plane.json"  # bench/data_plane.py's, when run
     if plane.exists():
         text += "\n".join(data_plane(json.loads(plane.read_text()))) + "\n"
-    telemetry_runs = REPO / "bench" / "results_telemetry.json"  # bench/telemetry.py's, when run
-    if telemetry_runs.exists():
-        text += "\n".join(telemetry(json.loads(telemetry_runs.read_text()))) + "\n"
     parity = REPO / "bench" / "results_val_parity.json"  # bench/val_parity.py's, when run
     if parity.exists():
         text += "\n".join(val_parity(json.loads(parity.read_text()))) + "\n"
+    telemetry_runs = REPO / "bench" / "results_telemetry.json"  # bench/telemetry.py's, when run
+    if telemetry_runs.exists():
+        text += "\n".join(telemetry(json.loads(telemetry_runs.read_text()))) + "\n"
     one_gpu_runs = REPO / "bench" / "results_gpu.json"  # `make gpu-check`'s, when run on a GPU
     if one_gpu_runs.exists():
         text += "\n" + "\n".join(one_gpu(json.loads(one_gpu_runs.read_text()))) + "\n"

@@ -16,6 +16,7 @@ before). Rows are counted in the store.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import queue
 import random
@@ -111,6 +112,7 @@ def drive(reports: list[list[dict[str, Any]]], store: Path, name: str) -> dict[s
     reports_queue, recorder = ListQueue(), Recorder(run)
     callback, drainer = ForwardingCallback(reports_queue), Drainer(reports_queue, recorder)
     drainer.start()
+    gc.collect()  # the previous run's garbage is not this run's cost
     cpu, wall = time.process_time(), time.perf_counter()
     for per_rank in reports:
         callback.after_report(None, per_rank, None)
