@@ -49,7 +49,12 @@ def _custom_rank(rank: int, port: int, tmp_path: Path, spec: dict) -> None:
     manifest = parquet_manifest(tmp_path / f"data-{rank}", {**rows, "id": torch.arange(64)})
     config = WorkerConfig(Workload.model_validate(spec), "custom", str(tmp_path / "run"), 1e9, 1, manifest)
     Trainer(config, context).run()
-    outcome = {"steps": context.step_records(), "fatal": context.events("fatal")}
+    last = context.reports[-1].metrics
+    outcome = {
+        "steps": context.step_records(),
+        "fatal": context.events("fatal"),
+        "stopped": last.get("fatal"),
+    }
     (tmp_path / f"rank{rank}.json").write_text(json.dumps(outcome))
     dist.destroy_process_group()
 
@@ -80,24 +85,25 @@ def _two_rank_run(tmp_path: Path, odd_rank_metric: bool) -> list[dict]:
 
 
 def test_model_metrics_are_averaged_over_ranks_and_logged_as_train_metrics(tmp_path: Path) -> None:
-    ranks = _two_rank_run(tmp_path, odd_rank_metric=False)
-    for outcome in ranks:
-        steps = outcome["steps"]
-        # Two lanes of 32 rows, read in order: step s (from 0) trains rows 8s..8s+7 on rank 0 and
-        # 32+8s..32+8s+7 on rank 1; the logged value is the mean id over both ranks.
-        assert [record["train/id_mean"] for record in steps] == [19.5, 27.5, 35.5]
-        assert all(math.isfinite(record["train/loss"]) for record in steps)
+    lead, other = _two_rank_run(tmp_path, odd_rank_metric=False)
+    steps = lead["steps"]  # rank 0's records are the ones the driver logs
+    # Two lanes of 32 rows, read in order: step s (from 0) trains rows 8s..8s+7 on rank 0 and
+    # 32+8s..32+8s+7 on rank 1; the logged value is the mean id over both ranks.
+    assert [record["train/id_mean"] for record in steps] == [19.5, 27.5, 35.5]
+    assert all(math.isfinite(record["train/loss"]) for record in steps)
+    assert other["steps"] == []  # the other ranks report their summary alone
 
 
 def test_ranks_whose_models_return_different_metrics_stop_together(tmp_path: Path) -> None:
-    ranks = _two_rank_run(tmp_path, odd_rank_metric=True)
-    for outcome in ranks:
-        (fatal,) = outcome["fatal"]
-        assert fatal["reason"] == (
-            "the model returned different metrics on different ranks in training "
-            "(rank 0: ['id_mean']; rank 1: ['id_mean', 'only_here'])"
-        )
-        assert outcome["steps"] == []
+    lead, other = _two_rank_run(tmp_path, odd_rank_metric=True)
+    reason = (
+        "the model returned different metrics on different ranks in training "
+        "(rank 0: ['id_mean']; rank 1: ['id_mean', 'only_here'])"
+    )
+    (fatal,) = lead["fatal"]  # the event, as the driver reads it from rank 0
+    assert fatal["reason"] == reason
+    for outcome in (lead, other):  # every rank stopped with it, no step logged
+        assert outcome["stopped"] == reason and outcome["steps"] == []
 
 
 def test_metric_names_that_are_shoals_own_are_refused_by_task() -> None:
