@@ -17,8 +17,9 @@ from rich.console import Console
 
 from shoal import cli, cli_runs
 from shoal.cli_inspect import doctor_table, plan_data, plan_tables
-from shoal.launch.progress import summary_table
+from shoal.launch.progress import EVENT_LINES, summary_table
 from shoal.launch.sweep_view import SweepTable, summary
+from shoal.messages import EventKind
 
 NAMES = ("quickstart-20261203-101500", "gpt-small-fsdp-20261203-102233", "cnn-digits-20261203-110000")
 STATUSES = ("FINISHED", "FAILED", "RUNNING")
@@ -249,6 +250,16 @@ def test_a_failure_reason_with_brackets_is_shown_as_text() -> None:
     )  # fmt: skip
     text = unfolded(render(summary_table(result)))
     assert "[/__w/pytorch/pytorch/third_party/gloo" in text and "/runs/[x]" in text and "[e]" in text
+
+
+@pytest.mark.parametrize("kind", [EventKind.FAILURE, EventKind.FATAL])
+def test_a_failure_event_with_brackets_is_printed_as_text(kind: EventKind) -> None:
+    """The same gloo text in a failure or fatal event: the driver's report thread died printing
+    it ('could not record a report in MLflow'), so the run's records stopped there."""
+    error = "Connection closed by peer [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537]"
+    fields = {"errors": {"0": error}} if kind == EventKind.FAILURE else {"reason": error}
+    text = unfolded(render(EVENT_LINES[kind](fields)))
+    assert "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537]" in text
 
 
 def _sweep_table(paths: list[str]) -> SweepTable:

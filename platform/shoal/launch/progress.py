@@ -89,7 +89,7 @@ def _attempt_line(fields: dict[str, Any]) -> str:
 
 
 def _failure_line(fields: dict[str, Any]) -> str:
-    ranks = ", ".join(f"rank {r}: {e.splitlines()[0][:160]}" for r, e in fields["errors"].items())
+    ranks = ", ".join(f"rank {r}: {escape(e.splitlines()[0][:160])}" for r, e in fields["errors"].items())
     return f"[yellow]worker failure[/] {ranks}; Ray Train restarts from the latest checkpoint"
 
 
@@ -120,7 +120,7 @@ def _straggler_line(fields: dict[str, Any]) -> str:
 EVENT_LINES: dict[EventKind, Callable[[dict[str, Any]], str]] = {
     EventKind.ATTEMPT_STARTED: _attempt_line,
     EventKind.FAILURE: _failure_line,
-    EventKind.FATAL: lambda e: f"[red]fatal[/] {e['reason']}",
+    EventKind.FATAL: lambda e: f"[red]fatal[/] {escape(e['reason'])}",
     EventKind.STRAGGLER: _straggler_line,
     EventKind.STRAGGLER_RECOVERED: lambda e: (
         f"[green]recovered[/] worker rank {e['rank']}{_on_node(e)} (step {e['step']})"

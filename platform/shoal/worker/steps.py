@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from shoal.data.evaluation import evaluation_batches
+from shoal.data.evaluation import evaluation_batches, slot_batches
 from shoal.data.manifest import Manifest
 from shoal.data.reader import ReadCounts, RowGroupReader, to_tensors
 from shoal.messages import VAL_PREFIX, Metric, model_metric
@@ -39,6 +39,9 @@ class ValidationShare:
         self.batch_rows = micro * len(engine.mp_ranks)
         self.max_batches = max_batches
         self.whole_only = engine.pipeline is not None  # pipeline schedules need one batch shape
+        # Sharded parameters are gathered across the slots in every forward pass: each slot
+        # must run as many as the slot with the most batches.
+        self.lockstep = engine.dims.uses_fsdp and self.slots > 1
         self.keep, self.kept = keep, None
 
     def batches(self) -> Iterator[dict[str, torch.Tensor]]:
@@ -49,12 +52,28 @@ class ValidationShare:
             return iter(self.kept)
         return self._read()
 
-    def _read(self) -> Iterator[dict[str, torch.Tensor]]:
+    def fillers(self) -> Iterator[dict[str, torch.Tensor]]:
+        """Batches to run and leave out of the results, so that this slot makes as many
+        forward passes as every other (none unless the parameters are sharded)."""
+        if not self.lockstep:
+            return iter(())
+        counts = [len(self._indices(slot)) for slot in range(self.slots)]
+        missing = max(counts) - counts[self.slot]
+        if not missing:
+            return iter(())
+        filler = next(self._read(slot=self.slots - 1))  # the last slot has the most batches
+        return iter([filler] * missing)
+
+    def _indices(self, slot: int) -> range:
+        rows, batch, most = self.manifest.total_rows, self.batch_rows, self.max_batches
+        return slot_batches(rows, batch, slot, self.slots, most, self.whole_only)
+
+    def _read(self, slot: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
         tables = evaluation_batches(
             self.manifest,
             self.reader,
             self.batch_rows,
-            self.slot,
+            self.slot if slot is None else slot,
             self.slots,
             self.max_batches,
             self.whole_only,
@@ -63,10 +82,14 @@ class ValidationShare:
 
 
 def evaluate(
-    engine: Any, batches: Iterable[dict[str, torch.Tensor]], task: str, world_size: int
+    engine: Any,
+    batches: Iterable[dict[str, torch.Tensor]],
+    task: str,
+    world_size: int,
+    fillers: Iterable[dict[str, torch.Tensor]] = (),
 ) -> dict[str, float]:
     """Loss (accuracy for classify, the model's own metrics as `val/<name>`) over this rank's
-    batches, averaged over every rank's samples."""
+    batches, averaged over every rank's samples; `fillers` are run and left out."""
     totals = torch.zeros(3, dtype=torch.float64)  # loss x n, correct, n
     metric_sums: dict[str, float] = {}
     measured = False
@@ -76,6 +99,8 @@ def evaluate(
         for name, value in result.metric_sums.items():
             metric_sums[name] = metric_sums.get(name, 0.0) + value
         measured = measured or result.samples > 0
+    for batch in fillers:
+        engine.eval_batch(batch)
     names = agreed_names(sorted(metric_sums) if measured else None, world_size, "evaluation")
     values = torch.cat([totals, torch.tensor([metric_sums.get(n, 0.0) for n in names], dtype=torch.float64)])
     if world_size > 1:
