@@ -1,9 +1,11 @@
 """`make bench-recovery`: what checkpoints and failures cost, into BENCHMARKS.md.
 
-1. Training stall per checkpoint, sync vs async: a ~48M-parameter GPT (FSDP, 2 workers)
-   trains 24 steps with a checkpoint every 4 steps, and once without checkpoints; the
-   cost of a checkpoint is the extra step time it causes (the save itself, and with
-   async the background write competing with the next steps), per checkpoint.
+1. What a checkpoint costs, sync vs async: a ~48M-parameter GPT (FSDP, 2 workers) trains
+   24 steps with a checkpoint every 4 steps, and once without checkpoints. Blocking: the
+   seconds saving held rank 0's training thread (`time/checkpoint_s`, by phase in
+   `time/checkpoint/<phase>_s`); total stall: the extra step time over the run without
+   checkpoints (blocking, and with async the background write competing with the steps
+   that follow), per checkpoint.
 2. Recovery from a SIGKILLed worker: kill time -> end of the first step of the new attempt.
 3. Recovery from a removed node (multi-node local cluster, tuned timeouts below).
 
@@ -16,7 +18,6 @@ import argparse
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -45,7 +46,9 @@ def shoal(args: list[str], cwd: Path, wait: bool = True, **env: str) -> subproce
     return proc
 
 
-def step_seconds(workdir: Path, run_name: str) -> dict[int, float]:
+def run_metrics(workdir: Path, run_name: str) -> dict[str, dict[int, float]]:
+    """Seconds each training step took (from MLflow's per-step samples/s), and the seconds
+    checkpointing held the training thread in each step's record, in all and by phase."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
@@ -53,14 +56,16 @@ def step_seconds(workdir: Path, run_name: str) -> dict[int, float]:
         [e.experiment_id for e in client.search_experiments()],
         filter_string=f"tags.`shoal.run_name` = '{run_name}'",
     )
-    return {
-        m.step: ROWS_PER_STEP / m.value
-        for m in client.get_metric_history(run.info.run_id, Metric.TRAIN_SAMPLES_PER_S)
+    history = {
+        name: {m.step: m.value for m in client.get_metric_history(run.info.run_id, name)}
+        for name in run.data.metrics
+        if name.startswith(Metric.TIME_CHECKPOINT_S.removesuffix("_s"))
     }
+    speed = client.get_metric_history(run.info.run_id, Metric.TRAIN_SAMPLES_PER_S)
+    return {"step_s": {m.step: ROWS_PER_STEP / m.value for m in speed}, **history}
 
 
-def stall_run(workdir: Path, mode: str, tag: str) -> dict[int, float]:
-    """Seconds each training step took (from MLflow's per-step samples/s)."""
+def stall_run(workdir: Path, mode: str, tag: str) -> dict[str, dict[int, float]]:
     name = f"stall-{mode}-{tag}"
     overrides = {
         "model.args": BIG_GPT,
@@ -75,7 +80,7 @@ def stall_run(workdir: Path, mode: str, tag: str) -> dict[int, float]:
     for key, value in overrides.items():
         args += ["--set", f"{key}={value}"]
     shoal(args, workdir)
-    return step_seconds(workdir, name)
+    return run_metrics(workdir, name)
 
 
 def first_step_after(run_dir: Path, moment: float) -> float:
@@ -139,47 +144,86 @@ def node_loss_recovery(workdir: Path, tag: str) -> float:
         cluster.shutdown()
 
 
-def stalls(steps: dict[int, float], baseline: dict[int, float]) -> tuple[float, float]:
-    """(total extra step time per checkpoint, extra time of the step right after a checkpoint):
-    the save blocks the step after it; an async write then competes with the steps that follow."""
-    after = [c + 1 for c in range(STALL_EVERY, STALL_STEPS, STALL_EVERY)]
-    typical = statistics.median(v for s, v in baseline.items() if s > 1)
-    total = sum(v for s, v in steps.items() if s > 1) - sum(v for s, v in baseline.items() if s > 1)
-    return total / len(after), statistics.median(steps[s] - typical for s in after)
+# The checkpoints whose cost lands in the run's step records: every one but the last (taken
+# after the last step, so no step record follows it).
+COUNTED = (STALL_STEPS - 1) // STALL_EVERY
+
+
+def stall(run: dict[str, dict], baseline: dict[str, dict]) -> float:
+    """Extra step time over the run without checkpoints, per checkpoint."""
+    steps, base = _by_step(run["step_s"]), _by_step(baseline["step_s"])
+    return (sum(v for s, v in steps.items() if s > 1) - sum(v for s, v in base.items() if s > 1)) / COUNTED
+
+
+def blocking(run: dict[str, dict], phase: str = "") -> float:
+    """Seconds saving held the training thread, per checkpoint (in all, or in one phase)."""
+    name = f"{Metric.TIME_CHECKPOINT_S.removesuffix('_s')}/{phase}_s" if phase else Metric.TIME_CHECKPOINT_S
+    return sum(run.get(name, {}).values()) / COUNTED
+
+
+def phases(runs: list[dict[str, dict]]) -> list[str]:
+    prefix = f"{Metric.TIME_CHECKPOINT_S.removesuffix('_s')}/"
+    found = {n.removeprefix(prefix).removesuffix("_s") for r in runs for n in r if n.startswith(prefix)}
+    return sorted(found, key=lambda p: PHASE_ORDER.index(p) if p in PHASE_ORDER else len(PHASE_ORDER))
+
+
+PHASE_ORDER = ["extras", "state_dict", "write", "staging", "seal", "wait", "report"]
+
+
+def _by_step(values: dict) -> dict[int, float]:
+    return {int(k): v for k, v in values.items()}  # JSON turns the steps into strings
+
+
+def checkpoint_rows(results: dict[str, list]) -> list[str]:
+    pairs = list(zip(results["none"], results["sync"], results["async"], strict=True))
+    sync_block = [blocking(s) for _, s, _ in pairs]
+    async_block = [blocking(a) for _, _, a in pairs]
+    sync_stall = [stall(s, n) for n, s, _ in pairs]
+    async_stall = [stall(a, n) for n, _, a in pairs]
+    block_ratio = [a / s for a, s in zip(async_block, sync_block, strict=True)]
+    stall_ratio = [a / s for a, s in zip(async_stall, sync_stall, strict=True)]
+    rows = [
+        "| figure (per checkpoint; 48M-param GPT, FSDP, 2 workers, 576 MB with Adam) | sync | async "
+        "| async / sync |",
+        "| --- | --- | --- | --- |",
+        f"| blocking: seconds saving held the training thread | {summarise(sync_block)} | "
+        f"{summarise(async_block)} | {summarise(block_ratio)} |",
+        f"| total stall: extra step time over the run without checkpoints | {summarise(sync_stall)} | "
+        f"{summarise(async_stall)} | {summarise(stall_ratio)} |",
+    ]
+    for phase in phases([r for _, s, a in pairs for r in (s, a)]):
+        sync_phase = [blocking(s, phase) for _, s, _ in pairs]
+        async_phase = [blocking(a, phase) for _, _, a in pairs]
+        rows.append(f"| blocking in `{phase}` | {summarise(sync_phase)} | {summarise(async_phase)} | |")
+    return rows
 
 
 def render(results: dict[str, list], repeats: int) -> str:
-    none = results["none"]
-    checkpoints = (STALL_STEPS - 1) // STALL_EVERY
-    sync = [stalls(s, n) for s, n in zip(results["sync"], none, strict=True)]
-    background = [stalls(a, n) for a, n in zip(results["async"], none, strict=True)]
-    ratio = [a[0] / s[0] for a, s in zip(background, sync, strict=True)]
-    blocking_ratio = [a[1] / s[1] for a, s in zip(background, sync, strict=True)]
     settings = ", ".join(f"`{k}={v}`" for k, v in FAST_NODE_FAILURE.items())
     return "\n".join(
         [
             SECTION,
             "",
             f"Machine: {machine()}; CPU capability {cpu()}. `make bench-recovery`; {repeats} repetitions, "
-            "median (min-max).",
+            "median (min-max); sync and async paired within each repetition.",
             "",
-            "| figure | seconds |",
+            *checkpoint_rows(results),
+            "",
+            f"Over {STALL_STEPS} steps with a checkpoint every {STALL_EVERY}: the {COUNTED} checkpoints "
+            "before the last (whose cost falls after the last step). Phases: `state_dict` (the sharded "
+            "state's views), `write` (sync: DCP's write), `staging` (async: the copy into the reused "
+            "buffers; DCP's write and the manifest's CRC32s then run on the writer's thread), `seal` "
+            "(sync: the manifest), `wait` (async: for a write still running when the next save or "
+            "its report came due), `report` (Ray Train's report; sync: it uploads the files, async: "
+            "Ray uploads them on a thread).",
+            "",
+            "| recovery | seconds |",
             "| --- | --- |",
-            f"| training stall per checkpoint, sync (48M-param GPT, FSDP, 2 workers, 576 MB with Adam) "
-            f"| {summarise([x[0] for x in sync])} |",
-            f"| training stall per checkpoint, async | {summarise([x[0] for x in background])} |",
-            f"| async / sync stall (ratio) | {summarise(ratio)} |",
-            f"| blocking: extra time of the step after a checkpoint, sync | "
-            f"{summarise([x[1] for x in sync])} |",
-            f"| blocking: extra time of the step after a checkpoint, async | "
-            f"{summarise([x[1] for x in background])} |",
-            f"| async / sync blocking (ratio) | {summarise(blocking_ratio)} |",
             f"| SIGKILLed worker -> next step (quickstart, 2 workers) | {summarise(results['kill'])} |",
             f"| removed node -> next step (elastic 1-2 workers, 3-node local cluster) "
             f"| {summarise(results['node'])} |",
             "",
-            "Stall = extra step time over the same 23 steps without checkpoints, divided by the "
-            f"{checkpoints} checkpoints taken in them. Node-loss settings: head `_system_config` {settings} "
+            f"Node-loss settings: head `_system_config` {settings} "
             "(GCS declares a node dead after 3 missed 1 s health checks instead of 5 missed 3 s ones) and "
             "`failure.worker_start_timeout_s: 10` (Ray Train's RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S: how "
             "long a restart waits to place the old number of workers before shrinking; default 60 s, "
@@ -200,8 +244,10 @@ def main() -> None:
         for repeat in range(args.repeats):
             for mode in ("none", "sync", "async"):
                 results[mode].append(stall_run(workdir, mode, f"r{repeat}"))
+                taken = results[mode][-1]
                 print(
-                    f"stall {mode} r{repeat}: {sum(results[mode][-1].values()):.2f} s of step time",
+                    f"stall {mode} r{repeat}: {sum(taken['step_s'].values()):.2f} s of step time, "
+                    f"{blocking(taken):.3f} s blocking per checkpoint",
                     flush=True,
                 )
             results["kill"].append(worker_kill_recovery(workdir, f"r{repeat}"))

@@ -32,6 +32,7 @@ class EventKind(StrEnum):
     RESIZED = "resized"
     EVAL = "eval"
     CHECKPOINT_REJECTED = "checkpoint_rejected"
+    CHECKPOINT_SKIPPED = "checkpoint_skipped"  # due while the previous one was still being written
     NAN_SKIP = "nan_skip"
     NAN_ROLLBACK = "nan_rollback"
     FATAL = "fatal"
@@ -129,6 +130,12 @@ def is_per_rank(name: str) -> bool:
 
 def worker_metric(rank: int, value: WorkerValue) -> str:
     return f"{WORKER_PREFIX}{rank}/{value}"
+
+
+def checkpoint_phase_metric(phase: str) -> str:
+    """Seconds a step's checkpointing held the training thread in one phase (`saver.py`):
+    `time/checkpoint/staging_s`, ...; `time/checkpoint_s` is their sum."""
+    return f"time/checkpoint/{phase}_s"
 
 
 def gpu_metric(rank: int, reading: GpuReading) -> str:

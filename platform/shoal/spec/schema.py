@@ -203,6 +203,9 @@ class CheckpointSpec(Section):
     keep: int = Field(3, gt=0, le=100_000)  # the latest K; keep_best adds the best one by a metric
     keep_best: KeepBest | None = None
     async_: bool = Field(False, alias="async")  # write in the background while training goes on
+    # A save due while the previous async one is still being written: wait for it, or skip
+    # this one (an event says so). Never two writers at once.
+    if_busy: Literal["wait", "skip"] = "wait"
     storage: str = "./shoal_runs"  # a directory, or s3://bucket/prefix
     endpoint: str | None = None  # S3-compatible endpoint URL for s3:// storage
 

@@ -30,6 +30,7 @@ from shoal.messages import (
     ReportSummary,
     StepRecord,
     WorkerValue,
+    checkpoint_phase_metric,
     model_metric,
 )
 from shoal.models.cost import batch_shapes, trace_cost
@@ -164,7 +165,8 @@ class Trainer:
             batches = self.validation.batches()
             if self.audit and self.rank == self.engine.mp_ranks[0]:  # one rank per data-parallel slot
                 batches = self.audit.evaluated(self.position.step, batches, *self.engine.data_slot())
-            results = evaluate(self.engine, batches, self.task, self.world)
+            fillers = self.validation.fillers()
+            results = evaluate(self.engine, batches, self.task, self.world, fillers)
         else:
             results = {}
         self.last_eval = {**results, Metric.TRAIN_LOSS: self.last_loss}
@@ -213,6 +215,7 @@ class Trainer:
             self.reporter.send(self._summary(final=True))
         self.watchdog.disarm()
         self.link_probe.stop()
+        self.checkpointer.close()
 
     def _train_stream(self) -> LoopOutcome:
         """Train from the current position until done, a NaN rollback, a fatal error or the data's end."""
@@ -252,6 +255,7 @@ class Trainer:
         loss, gathered = reduced.loss, reduced.per_rank
         if reduced.written and self.checkpointer.pending is not None:
             self.checkpointer.finish_pending()
+            self._count_checkpoint_stall()
         last = group[-1]
         self.position.epoch = last.epoch
         self.position.batches_in_epoch = (last.index // per_step + 1) * per_step
@@ -285,13 +289,19 @@ class Trainer:
             self._evaluate()
             self.stalls["eval"] += time.perf_counter() - started  # part of the next step's time
         self.watchdog.arm()
-        started = time.perf_counter()
         if self.checkpointer.maybe_save(step, done, self._summary(final=done)):
-            self.stalls["checkpoint"] += time.perf_counter() - started
+            self._count_checkpoint_stall()
         elif report_due or self.reporter.events or self.reporter.profiles:
             self.reporter.send(self._summary())
         self.watchdog.arm()
         return LoopOutcome.DONE if done else None
+
+    def _count_checkpoint_stall(self) -> None:
+        """Add the time checkpointing held this thread to the next step's record, by phase."""
+        for phase, seconds in self.checkpointer.take_blocked().items():
+            name = checkpoint_phase_metric(phase)
+            self.stalls[name] = self.stalls.get(name, 0.0) + seconds
+            self.stalls["checkpoint"] += seconds
 
     def _steps(self, items: Any) -> Any:
         """Group this rank's micro-batches into optimizer steps (the stream yields whole steps)."""
@@ -370,6 +380,7 @@ class Trainer:
             Metric.TIME_OPTIMIZER_S: phases.get("optimizer", 0.0),
             Metric.TIME_CHECKPOINT_S: self.stalls["checkpoint"],
             Metric.TIME_EVAL_S: self.stalls["eval"],
+            **{k: v for k, v in self.stalls.items() if k not in ("checkpoint", "eval")},
             **self.ranks.step_metrics(gathered, self.gpu.available),
         }
         self.stalls = {"checkpoint": 0.0, "eval": 0.0}

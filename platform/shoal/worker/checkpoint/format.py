@@ -21,7 +21,6 @@ import json
 import random
 import re
 import zlib
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +65,7 @@ def _fqn(flat_key: str) -> str:
     return flat_key.split(".", 1)[1].rpartition(".")[0]
 
 
-def _states(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> dict[str, dict]:
+def states(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> dict[str, dict]:
     """Model and (flattened) optimizer state of every part, keyed by the parameters' global names.
 
     Names are global (a pipeline stage keeps its layers' original names), so the
@@ -111,20 +110,11 @@ def save(
     optimizers: list[torch.optim.Optimizer],
     rank: int,
     trainer_state: dict[str, Any] | None,
-    process_group: Any = None,
-) -> Future | None:
-    """Write this rank's shard into `directory`; with `process_group`, in the background.
-
-    The background save returns a future; `seal(directory, rank)` must follow its
-    completion. A synchronous save is sealed before it returns.
-    """
+) -> None:
+    """Write and seal this rank's shard into `directory` (the whole synchronous save)."""
     write_extras(directory, rank, trainer_state)
-    states = _states(parts, optimizers)
-    if process_group is None:
-        dcp.save(states, checkpoint_id=str(directory))
-        seal(directory, rank)
-        return None
-    return dcp.async_save(states, checkpoint_id=str(directory), process_group=process_group)
+    dcp.save(states(parts, optimizers), checkpoint_id=str(directory))
+    seal(directory, rank)
 
 
 def seal(directory: Path, rank: int) -> None:
@@ -179,7 +169,7 @@ def restore(
     """Load a checkpoint in place; returns the trainer state and whether this rank's RNG
     states were restored (a rank that did not exist when it was written keeps its own)."""
     state = json.loads((directory / TRAINER_STATE).read_text())
-    loaded = _states(parts, optimizers)
+    loaded = states(parts, optimizers)
     dcp.load(loaded, checkpoint_id=str(directory))
     for part, optimizer in zip(parts, optimizers, strict=True):
         names = set(get_model_state_dict(part))

@@ -10,27 +10,33 @@ event.
 What a checkpoint holds is assembled here, in one place: the engine's model and
 optimizer parts and schedule, the trainer's `TrainingState`, every rank's RNG.
 
-An async save snapshots the state and writes it on a thread of its own, over a
-process group of its own (DCP on the training group would interleave with the
-training collectives and hang). Training goes on; the checkpoint is reported at
-the first step at which every rank's write has finished.
+An async save stages the state on the training thread and writes and seals it in the
+background (`writer.py`); the checkpoint is reported at the first step at which every
+rank's write has finished. A save due while one is in flight waits for it or is skipped
+(`checkpoint.if_busy`). Each step's record carries the seconds saving held the training
+thread, by phase (`time/checkpoint/<phase>_s`).
 """
 
 from __future__ import annotations
 
 import shutil
 import tempfile
+import time
+from collections.abc import Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 from shoal.messages import EventKind, ReportSummary
 from shoal.spec.schema import CheckpointSpec
 from shoal.worker.checkpoint import format as checkpoint_format
 from shoal.worker.checkpoint.state import TrainingState
+from shoal.worker.checkpoint.writer import BackgroundWriter
 from shoal.worker.context import StoredCheckpoint, TrainContext
 from shoal.worker.engine import Engine
 from shoal.worker.reporting import Reporter
@@ -42,6 +48,8 @@ class PendingSave:
     future: Future | None
     summary: ReportSummary
     name: str
+    step: int
+    phases: dict[str, float]  # seconds the training thread spent on it, by phase
 
 
 @dataclass
@@ -68,9 +76,11 @@ class Checkpointer:
         self.every_steps, self.background = settings.every_steps, settings.async_
         self.init_from = init_from  # another run's checkpoint, for a run that has none of its own
         self.own_latest = own_latest  # this run's newest, when Ray Train lost its record of them
-        self.group = dist.new_group(backend="gloo") if self.background and dist.is_initialized() else None
+        self.if_busy = settings.if_busy
+        self.writer = BackgroundWriter(engine.device) if self.background else None
         self.pending: PendingSave | None = None
         self.saved_step = -1
+        self.blocked: dict[str, float] = {}  # the training thread's seconds saving, by phase
 
     # -- saving -----------------------------------------------------------------------
     def maybe_save(self, step: int, last: bool, summary: ReportSummary) -> bool:
@@ -89,21 +99,55 @@ class Checkpointer:
             self.finish_pending()
             self.reporter.send(summary)
             return
+        if self.pending is not None and self.if_busy == "skip" and not final:
+            self.reporter.event(EventKind.CHECKPOINT_SKIPPED, step=step, writing_step=self.pending.step)
+            self.reporter.send(summary)
+            return
         self.saved_step = step
-        self.finish_pending()
+        self.finish_pending()  # if_busy "wait": the write in flight is waited for, then reported
         directory = Path(tempfile.mkdtemp(prefix="shoal-ckpt-"))
-        future = checkpoint_format.save(
-            directory,
-            self.engine.parts,
-            self.engine.optimizers,
-            self.rank,
-            self._trainer_state() if self.rank == 0 else None,
-            process_group=self.group,
+        phases: dict[str, float] = {}
+        with self._timed(phases, "extras"):
+            trainer_state = self._trainer_state() if self.rank == 0 else None
+            checkpoint_format.write_extras(directory, self.rank, trainer_state)
+        with self._timed(phases, "state_dict"):
+            states = checkpoint_format.states(self.engine.parts, self.engine.optimizers)
+        future = None
+        if self.writer is None:
+            with self._timed(phases, "write"):
+                dcp.save(states, checkpoint_id=str(directory))
+            with self._timed(phases, "seal"):
+                checkpoint_format.seal(directory, self.rank)
+        else:
+            with self._timed(phases, "staging"):
+                future = self.writer.write(states, directory, self.rank)
+        self.pending = PendingSave(
+            directory, future, summary, checkpoint_format.checkpoint_name(step), step, phases
         )
-        self.pending = PendingSave(directory, future, summary, checkpoint_format.checkpoint_name(step))
         self.training.checkpointed()
         if future is None or final:
             self.finish_pending()
+
+    @contextmanager
+    def _timed(self, phases: dict[str, float], name: str) -> Iterator[None]:
+        """Time a phase of a save that holds the training thread."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            seconds = time.perf_counter() - started
+            phases[name] = phases.get(name, 0.0) + seconds
+            self.blocked[name] = self.blocked.get(name, 0.0) + seconds
+
+    def close(self) -> None:
+        """Release the background writer's thread and buffers (after the last save)."""
+        if self.writer is not None:
+            self.writer.close()
+
+    def take_blocked(self) -> dict[str, float]:
+        """Seconds the training thread spent saving since the last call, by phase."""
+        blocked, self.blocked = self.blocked, {}
+        return blocked
 
     def _trainer_state(self) -> dict[str, Any]:
         return {**self.training.state_dict(), "scheduler": self.engine.schedulers[0].state_dict()}
@@ -118,17 +162,18 @@ class Checkpointer:
         pending, self.pending = self.pending, None
         if pending is None:
             return
-        handed_over = False
+        handed_over, phases = False, pending.phases
         try:
             if pending.future is not None:
-                pending.future.result()
-                checkpoint_format.seal(pending.directory, self.rank)
-            self.reporter.send(
-                replace(pending.summary, checkpointed=True),
-                checkpoint_dir=pending.directory,
-                checkpoint_name=pending.name,
-                upload_in_background=self.background,
-            )
+                with self._timed(phases, "wait"):
+                    pending.future.result()  # written and sealed
+            with self._timed(phases, "report"):
+                self.reporter.send(
+                    replace(pending.summary, checkpointed=True),
+                    checkpoint_dir=pending.directory,
+                    checkpoint_name=pending.name,
+                    upload_in_background=self.background,
+                )
             handed_over = self.background  # the upload deletes the directory when done
         finally:
             if not handed_over:
