@@ -19,10 +19,10 @@ WARMUP_STEPS = 5  # excluded from steady state
 LR = 1e-3
 
 
-def data_dir() -> Path:
+def data_dir(seq_len: int = GPT_ARGS["seq_len"]) -> Path:
     from shoal.data import prepare
 
-    return prepare("pytext", seq_len=GPT_ARGS["seq_len"])
+    return prepare("pytext", seq_len=seq_len)
 
 
 def steady_tokens_per_s(step_ends: list[float], tokens_per_step: int) -> float:
@@ -52,7 +52,7 @@ def steady_window(step_ends: list[float]) -> dict[str, float]:
     return {"steady_from": step_ends[WARMUP_STEPS], "steady_to": step_ends[-1]}
 
 
-def write_result(path: str | None, **fields: float) -> None:
+def write_result(path: str | None, **fields: object) -> None:
     if path:
         Path(path).write_text(json.dumps(fields))
 

@@ -80,6 +80,7 @@ class Metric(StrEnum):
     TIME_OPTIMIZER_S = "time/optimizer_s"
     TIME_CHECKPOINT_S = "time/checkpoint_s"
     TIME_EVAL_S = "time/eval_s"
+    TIME_REPORT_S = "time/report_s"  # sending the buffered records to the driver (Ray Train's report)
     TIME_BUSY_MAX_S = "time/busy_max_s"
     TIME_BUSY_MEDIAN_S = "time/busy_median_s"
     MEMORY_PEAK_MB = "memory/peak_mb"

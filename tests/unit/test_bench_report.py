@@ -65,3 +65,36 @@ def test_render_writes_every_section_with_paired_ratios():
     )
     assert "tokens/s 3 nodes / 1 node 0.944 (0.944-0.944)" in text
     assert "(16.0 min)" in text
+
+
+def test_control_plane_rows_pair_shoal_with_bare_ray_train_per_repetition():
+    from bench.scale_report import control_plane
+
+    def pair(bare_step: float, shoal_step: float) -> dict:
+        bare = {"step_s": bare_step, "first_step_s": 10.0}
+        shoal = {"step_s": shoal_step, "first_step_s": 11.0, "report_s_per_step": 0.002, "reports": 4}
+        return {"bare": bare, "shoal": shoal}
+
+    saved = {
+        "repeats": 3, "began": 0.0, "machine": "m", "cpu": "AVX2", "steps": 40, "model": {"n_layers": 1},
+        "runs": {"2": [pair(0.1, 0.102), pair(0.2, 0.2), pair(0.1, 0.11)]},
+    }  # fmt: skip
+    (row,) = [line for line in control_plane(saved) if line.startswith("| 2 |")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    # paired: 1.02, 1.0 and 1.1 (unpaired medians would give 0.102 / 0.1)
+    assert cells[3] == "1.02 (1-1.1) meets <= 1.05"
+    assert cells[6] == "1.1 (1.1-1.1) meets <= 1.2"
+    assert cells[7:] == ["0.002 (0.002-0.002)", "4 (4-4)"]
+
+
+def test_a_cluster_setting_helps_only_when_every_repetition_gained():
+    from bench.scale_report import levers
+
+    runs = [
+        {"torchrun": 100.0, "defaults": 90.0, "metrics": 92.0, "dashboard": 95.0},
+        {"torchrun": 100.0, "defaults": 91.0, "metrics": 93.0, "dashboard": 88.0},
+    ]
+    saved = {"repeats": 2, "began": 0.0, "machine": "m", "cpu": "AVX2", "steps": 20, "runs": runs}
+    text = "\n".join(levers(saved))
+    assert "| `RAY_enable_metrics_collection=false` | 0.925 (0.92-0.93) | 1.02 (1.02-1.02) | helps |" in text
+    assert "| `--include-dashboard=false` | 0.915 (0.88-0.95) | 1.01 (0.967-1.06) | no clear gain |" in text

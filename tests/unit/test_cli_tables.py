@@ -262,6 +262,13 @@ def test_a_failure_event_with_brackets_is_printed_as_text(kind: EventKind) -> No
     assert "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537]" in text
 
 
+def test_a_skipped_checkpoint_is_one_line_naming_both_steps() -> None:
+    text = render(EVENT_LINES[EventKind.CHECKPOINT_SKIPPED]({"step": 40, "writing_step": 20}), width=200)
+    assert text.strip() == (
+        "checkpoint skipped at step 40: the one of step 20 is still being written (checkpoint.if_busy: skip)"
+    )
+
+
 def _sweep_table(paths: list[str]) -> SweepTable:
     table = SweepTable.__new__(SweepTable)  # the table alone, without its live display
     table.paths, table.metric, table.mode, table.rows = paths, "val/accuracy", "max", {}

@@ -125,6 +125,10 @@ EVENT_LINES: dict[EventKind, Callable[[dict[str, Any]], str]] = {
     EventKind.STRAGGLER_RECOVERED: lambda e: (
         f"[green]recovered[/] worker rank {e['rank']}{_on_node(e)} (step {e['step']})"
     ),
+    EventKind.CHECKPOINT_SKIPPED: lambda e: (
+        f"[yellow]checkpoint skipped[/] at step {e['step']}: the one of step {e['writing_step']} "
+        "is still being written (checkpoint.if_busy: skip)"
+    ),
     EventKind.PROFILE: lambda e: (
         f"[cyan]profile[/] rank {e['rank']} steps {e['first_step']}-{e['last_step']}: "
         f"MLflow artifact profiles/{e['name']}"

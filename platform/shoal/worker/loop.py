@@ -95,7 +95,7 @@ class Trainer:
         ).start()
         self.profile = ProfileWindow(monitor.profile, self.rank, self.device, config.run_dir)
         self.flops_per_step: float | None = None
-        self.stalls: dict[str, float] = {"checkpoint": 0.0, "eval": 0.0}  # between steps
+        self.stalls = self._no_stalls()  # seconds spent between steps, by metric
         self.checkpointer = Checkpointer(
             self.engine,
             self.training,
@@ -287,21 +287,27 @@ class Trainer:
         if done or (every_eval and step % every_eval == 0):
             started = time.perf_counter()
             self._evaluate()
-            self.stalls["eval"] += time.perf_counter() - started  # part of the next step's time
+            self.stalls[Metric.TIME_EVAL_S] += time.perf_counter() - started  # part of the next step
         self.watchdog.arm()
         if self.checkpointer.maybe_save(step, done, self._summary(final=done)):
             self._count_checkpoint_stall()
         elif report_due or self.reporter.events or self.reporter.profiles:
-            self.reporter.send(self._summary())
+            started = time.perf_counter()
+            self.reporter.send(self._summary())  # a barrier across the ranks: its time is measured
+            self.stalls[Metric.TIME_REPORT_S] += time.perf_counter() - started
         self.watchdog.arm()
         return LoopOutcome.DONE if done else None
+
+    @staticmethod
+    def _no_stalls() -> dict[str, float]:
+        return {Metric.TIME_CHECKPOINT_S: 0.0, Metric.TIME_EVAL_S: 0.0, Metric.TIME_REPORT_S: 0.0}
 
     def _count_checkpoint_stall(self) -> None:
         """Add the time checkpointing held this thread to the next step's record, by phase."""
         for phase, seconds in self.checkpointer.take_blocked().items():
             name = checkpoint_phase_metric(phase)
             self.stalls[name] = self.stalls.get(name, 0.0) + seconds
-            self.stalls["checkpoint"] += seconds
+            self.stalls[Metric.TIME_CHECKPOINT_S] += seconds
 
     def _steps(self, items: Any) -> Any:
         """Group this rank's micro-batches into optimizer steps (the stream yields whole steps)."""
@@ -378,12 +384,10 @@ class Trainer:
             Metric.TIME_FORWARD_BACKWARD_S: phases.get("forward_backward", 0.0),
             Metric.TIME_FORWARD_S: phases.get("forward", 0.0),
             Metric.TIME_OPTIMIZER_S: phases.get("optimizer", 0.0),
-            Metric.TIME_CHECKPOINT_S: self.stalls["checkpoint"],
-            Metric.TIME_EVAL_S: self.stalls["eval"],
-            **{k: v for k, v in self.stalls.items() if k not in ("checkpoint", "eval")},
+            **self.stalls,
             **self.ranks.step_metrics(gathered, self.gpu.available),
         }
-        self.stalls = {"checkpoint": 0.0, "eval": 0.0}
+        self.stalls = self._no_stalls()
         if self.flops_per_step:
             values[Metric.PERF_TFLOPS] = self.flops_per_step / elapsed / 1e12
             values[Metric.PERF_TFLOPS_PER_WORKER] = values[Metric.PERF_TFLOPS] / self.world

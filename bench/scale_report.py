@@ -1,0 +1,101 @@
+"""BENCHMARKS.md's control-plane and cluster-settings sections, from bench/control_plane.py's
+and bench/levers.py's saved results."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+from bench.report import summarise, verdict
+
+CONTROL_SECTION = "## Control plane as workers grow"
+LEVERS_SECTION = "## Cluster settings for steady state"
+STEADY_TARGET, FIRST_STEP_TARGET = 1.05, 1.2
+
+
+def _when(saved: dict[str, Any]) -> str:
+    return time.strftime("%Y-%m-%d %H:%M", time.gmtime(saved["began"]))
+
+
+def control_plane(saved: dict[str, Any]) -> list[str]:
+    lines = [
+        "",
+        CONTROL_SECTION,
+        "",
+        f"`.venv/bin/python bench/control_plane.py --repeats {saved['repeats']}`, from {_when(saved)} UTC "
+        f"on {saved['machine']}; CPU capability {saved['cpu']}. A tiny GPT ({saved['model']}, 4 sequences "
+        f"per worker per step, {saved['steps']} steps) on a simulated multi-node cluster: a head with no "
+        "CPUs and two worker nodes sharing the workers. The bare Ray Train script "
+        "(bench/ray_train_bare.py: Ray Data, prepare_model, one report at the end) and `shoal run` on the "
+        "same cluster, order alternated, ratios paired per repetition; medians (min-max). Steady step: "
+        "the median interval between step ends after 5 warm-up steps; first step: from launching the "
+        "process to the end of step 1. shoal's report path: the seconds per step its workers spent in "
+        "Ray Train's report (`time/report_s`; a report every 2 s), beside the per-step all-reduce of "
+        "its stats, which is inside the step time compared.",
+        "",
+        "| workers | steady step s, bare | shoal | shoal / bare | first step s, bare | shoal | "
+        "shoal / bare | shoal's report s / step | reports |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for workers, pairs in saved["runs"].items():
+        bare, shoal = [p["bare"] for p in pairs], [p["shoal"] for p in pairs]
+        steady = [s["step_s"] / b["step_s"] for s, b in zip(shoal, bare, strict=True)]
+        first = [s["first_step_s"] / b["first_step_s"] for s, b in zip(shoal, bare, strict=True)]
+        cells = [
+            workers,
+            _of(bare, "step_s"),
+            _of(shoal, "step_s"),
+            verdict(steady, STEADY_TARGET, False),
+            _of(bare, "first_step_s"),
+            _of(shoal, "first_step_s"),
+            verdict(first, FIRST_STEP_TARGET, False),
+            _of(shoal, "report_s_per_step"),
+            _of(shoal, "reports"),
+        ]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return lines
+
+
+def _of(runs: list[dict[str, float]], key: str) -> str:
+    return summarise([run[key] for run in runs])
+
+
+def levers(saved: dict[str, Any]) -> list[str]:
+    runs = saved["runs"]
+    names = [n for n in runs[0] if n != "torchrun"]
+    lines = [
+        "",
+        LEVERS_SECTION,
+        "",
+        f"`.venv/bin/python bench/levers.py --repeats {saved['repeats']}`, from {_when(saved)} UTC on "
+        f"{saved['machine']}; CPU capability {saved['cpu']}. `shoal run --address` of `make bench`'s "
+        f"run (fp32, 2 workers, {saved['steps']} steps) on a one-node cluster of 4 logical CPUs started "
+        "with Ray's defaults, and with each setting alone; torchrun once per repetition. Medians "
+        "(min-max) of shoal's steady tokens/s over torchrun's in the same repetition, and of each "
+        "setting's gain over the defaults' run of the same repetition. A setting *helps* when every "
+        "repetition gained.",
+        "",
+        "| cluster setting | shoal / torchrun | gain over Ray's defaults (paired) | verdict |",
+        "| --- | --- | --- | --- |",
+        f"| torchrun (tokens/s) | {summarise([r['torchrun'] for r in runs])} | | |",
+    ]
+    for name in names:
+        ratio = [r[name] / r["torchrun"] for r in runs]
+        gain = [r[name] / r["defaults"] for r in runs]
+        helps = "" if name == "defaults" else ("helps" if min(gain) > 1.0 else "no clear gain")
+        shown = "" if name == "defaults" else summarise(gain)
+        lines.append(f"| {SETTINGS.get(name, name)} | {summarise(ratio)} | {shown} | {helps} |")
+    best = max(names, key=lambda n: statistics.median(r[n] / r["torchrun"] for r in runs))
+    lines += ["", f"Highest median ratio: {SETTINGS.get(best, best)}."]
+    return lines
+
+
+SETTINGS = {
+    "defaults": "Ray's defaults (dashboard, metrics, log monitor, prestarted workers)",
+    "metrics": "`RAY_enable_metrics_collection=false`",
+    "log_monitor": "`--include-log-monitor=false`",
+    "prestart": "`RAY_enable_worker_prestart=false`, `RAY_prestart_worker_first_driver=false`",
+    "dashboard": "`--include-dashboard=false`",
+    "lean": "all four at once",
+}
