@@ -32,7 +32,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import MICRO_BATCH, WARMUP_STEPS  # noqa: E402
+from bench.common import MICRO_BATCH, WARMUP_STEPS, data_dir  # noqa: E402
 from bench.report import cpu, machine  # noqa: E402
 from shoal.launch.cluster import lean_ray_env  # noqa: E402
 from shoal.messages import Metric  # noqa: E402
@@ -87,6 +87,7 @@ def shoal(address: str, workers: int, steps: int, workdir: Path) -> dict[str, An
         "model.args": json.dumps(TINY_GPT),
         "data.batch_size": MICRO_BATCH,
         "scaling.workers": workers,
+        "scaling.threads_per_worker": 1,  # as Ray gives bare's workers (OMP_NUM_THREADS = 1 CPU)
         "train.max_steps": steps,
         "tracking.log_model": "false",
     }
@@ -135,6 +136,7 @@ def measure(repeats: int, steps: int, sizes: tuple[int, ...]) -> dict[str, Any]:
         "began": time.time(),
         "runs": {},
     }
+    data_dir(TINY_GPT["seq_len"])  # prepared before any contender's clock starts
     with tempfile.TemporaryDirectory(prefix="shoal-bench-cp-") as tmp:
         for repeat in range(repeats):
             for workers in sizes:

@@ -42,7 +42,7 @@ class ValidationShare:
         # Sharded parameters are gathered across the slots in every forward pass: each slot
         # must run as many as the slot with the most batches.
         self.lockstep = engine.dims.uses_fsdp and self.slots > 1
-        self.keep, self.kept = keep, None
+        self.keep, self.kept, self.kept_filler = keep, None, None
 
     def batches(self) -> Iterator[dict[str, torch.Tensor]]:
         if self.kept is not None:
@@ -61,7 +61,9 @@ class ValidationShare:
         missing = max(counts) - counts[self.slot]
         if not missing:
             return iter(())
-        filler = next(self._read(slot=self.slots - 1))  # the last slot has the most batches
+        filler = self.kept_filler or next(self._read(slot=self.slots - 1))  # the last slot has the most
+        if self.keep:
+            self.kept_filler = filler
         return iter([filler] * missing)
 
     def _indices(self, slot: int) -> range:

@@ -97,11 +97,13 @@ class Checkpointer:
         step = self.training.position.step
         if step == self.saved_step:
             self.finish_pending()
-            self.reporter.send(summary)
+            with self._timed({}, "report"):
+                self.reporter.send(summary)
             return
         if self.pending is not None and self.if_busy == "skip" and not final:
             self.reporter.event(EventKind.CHECKPOINT_SKIPPED, step=step, writing_step=self.pending.step)
-            self.reporter.send(summary)
+            with self._timed({}, "report"):
+                self.reporter.send(summary)
             return
         self.saved_step = step
         self.finish_pending()  # if_busy "wait": the write in flight is waited for, then reported
