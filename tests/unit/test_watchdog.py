@@ -19,8 +19,9 @@ def test_a_hung_process_dumps_its_stacks_and_exits(tmp_path: Path) -> None:
 
         dog = HangWatchdog(1.0, {str(tmp_path)!r}, rank=3)
         dog.arm()
-        time.sleep(0.5)
-        dog.arm()   # progress: the countdown restarts
+        for _ in range(30):  # 1.5 s of steady progress, past the first countdown (1.1 s)
+            time.sleep(0.05)
+            dog.arm()
         blocked_in_a_collective()
         """
     )
