@@ -49,7 +49,12 @@ def simulated_cluster(workers: int) -> Iterator[str]:
     CPU more (Ray Data's tasks, on the bare side); yields the address to attach to."""
     from ray.cluster_utils import Cluster
 
-    lean = lean_ray_env()
+    # The nodes' workers import the bare script's training function from bench/.
+    lean = {
+        **lean_ray_env(),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
+    saved = {key: os.environ.get(key) for key in lean}
     os.environ.update(lean)
     cluster = Cluster(
         initialize_head=True, connect=False, head_node_args={"num_cpus": 0, "include_dashboard": False}
@@ -61,8 +66,11 @@ def simulated_cluster(workers: int) -> Iterator[str]:
         yield cluster.address
     finally:
         cluster.shutdown()
-        for key in lean:
-            os.environ.pop(key, None)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def steady_step_s(step_ends: list[float]) -> float:
@@ -155,7 +163,7 @@ def measure(repeats: int, steps: int, sizes: tuple[int, ...]) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--workers", type=int, nargs="+", default=list(WORKERS))
     args = parser.parse_args()
     results = measure(args.repeats, args.steps, tuple(args.workers))
