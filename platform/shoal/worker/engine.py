@@ -7,6 +7,7 @@ the equivalence tests drive the same code under torch.multiprocessing.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any, NamedTuple
 
@@ -152,9 +153,16 @@ class Engine:
         self.optimizer_step()
         return loss, weight
 
-    def forward_backward(self, group: list[dict[str, torch.Tensor]], clock: Any = None) -> StepLoss:
+    def forward_backward(
+        self,
+        group: list[dict[str, torch.Tensor]],
+        clock: Any = None,
+        after_forward: Callable[[StepLoss], None] | None = None,
+    ) -> StepLoss:
         """Gradients of one optimizer step's micro-batches, not yet applied; `clock` (a
-        PhaseClock) times the forward passes (pipelines: the whole schedule)."""
+        PhaseClock) times the forward passes (pipelines: the whole schedule). `after_forward`
+        gets the step's loss between the last forward and the last backward pass (not with
+        pipelines: their schedule runs both)."""
         span = clock.span if clock is not None else (lambda name: nullcontext())
         for part in self.parts:
             part.train()
@@ -168,19 +176,28 @@ class Engine:
             return StepLoss(sum(losses) / len(losses), 1.0, {}) if losses else StepLoss(0.0, 0.0, {})
         total = torch.zeros((), device=self.device)
         metrics: dict[str, torch.Tensor] = {}
+        step_loss = None
         for index, batch in enumerate(group):
-            with self._sync_context(index == len(group) - 1):
+            last = index == len(group) - 1
+            with self._sync_context(last):
                 with span("forward"), self.precision.autocast():
                     result = self.objective.step(self.parts[0], batch, self.device)
+                total += result.loss.detach()
+                for name, value in result.metrics.items():
+                    metrics[name] = metrics.get(name, 0.0) + value.detach().float()
+                if last and after_forward is not None:
+                    step_loss = self._step_loss(total, metrics, len(group))
+                    after_forward(step_loss)
                 self.precision.backward(result.loss / len(group))
-            total += result.loss.detach()
-            for name, value in result.metrics.items():
-                metrics[name] = metrics.get(name, 0.0) + value.detach().float()
+        return step_loss or self._step_loss(total, metrics, len(group))
+
+    @staticmethod
+    def _step_loss(total: torch.Tensor, metrics: dict[str, torch.Tensor], count: int) -> StepLoss:
         names = list(metrics)
         # One device sync per step: the loss and every metric come back together.
         values = torch.stack([total, *(metrics[n].to(total.device) for n in names)]).tolist()
-        step_metrics = {n: v / len(group) for n, v in zip(names, values[1:], strict=True)}
-        return StepLoss(values[0] / len(group), 1.0, step_metrics)
+        step_metrics = {n: v / count for n, v in zip(names, values[1:], strict=True)}
+        return StepLoss(values[0] / count, 1.0, step_metrics)
 
     def _tokens(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return batch[self.objective.token_column() or "tokens"].to(self.device).long()

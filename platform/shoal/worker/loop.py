@@ -39,7 +39,7 @@ from shoal.worker.checkpoint.saver import Checkpointer
 from shoal.worker.checkpoint.state import Position, TrainingState
 from shoal.worker.config import WorkerConfig
 from shoal.worker.context import RayTrainContext, TrainContext
-from shoal.worker.engine import Engine
+from shoal.worker.engine import Engine, StepLoss
 from shoal.worker.links import LinkProbe, parse_address
 from shoal.worker.metrics import (
     GpuReadings,
@@ -50,7 +50,7 @@ from shoal.worker.metrics import (
     read_counts_per_rank,
 )
 from shoal.worker.profiling import ProfileWindow
-from shoal.worker.reporting import MetricNamesError, Reporter, StepStats
+from shoal.worker.reporting import MetricNamesError, Reporter, SharedStats, StepStats
 from shoal.worker.runtime import HangWatchdog, SampleAudit, pick_device, seed_everything, write_pid_file
 from shoal.worker.steps import ValidationShare, evaluate
 from shoal.worker.stream import StreamPlan, micro_batches
@@ -234,21 +234,22 @@ class Trainer:
         batches = [self.engine.combine(i.batch) for i in group]
         if self.flops_per_step is None:
             self.flops_per_step = self._flops_per_step(batches[0])
-        timer = time.perf_counter()
-        local = self.engine.forward_backward(batches, clock=self.clock)
-        self.clock.add("forward_backward", time.perf_counter() - timer)
-        phases = self.clock.take()
-        per_rank = {
-            WorkerValue.BUSY_S: self.data_wait + phases.get("forward", 0.0),
-            "peak_mb": peak_memory_mb(self.device),
-            **self.gpu.read(),
-            **self.link_probe.per_rank(),
-            **read_counts_per_rank(self.read_counts),
-        }
+        timer, shared = time.perf_counter(), []
+        # On CPU the step's numbers go to the other ranks while the last backward pass runs
+        # (the all-reduce's wait was a quarter of a small model's step on 2 workers); on GPUs
+        # reading the loss before the backward pass would stall the device's queue.
+        share_early = self.device.type == "cpu" and self.world > 1
         try:
-            reduced = self.reporter.stats.reduce(
-                local.loss, local.weight, self.checkpointer.written_here(), per_rank, local.metrics
+            local = self.engine.forward_backward(
+                batches,
+                clock=self.clock,
+                after_forward=(lambda loss: shared.append(self._share(loss, self.clock.seconds)))
+                if share_early
+                else None,
             )
+            self.clock.add("forward_backward", time.perf_counter() - timer)
+            phases = self.clock.take()
+            reduced = self.reporter.stats.finish(shared[0] if shared else self._share(local, phases))
         except MetricNamesError as exc:  # raised on every rank alike: all stop together
             self._fail(str(exc))
             return LoopOutcome.FATAL
@@ -277,6 +278,18 @@ class Trainer:
             self.reporter.steps[-1].values.update(self.ranks.epoch_metrics(gathered))
         self._record_model_metrics(reduced.metrics)
         return self._after_step(reduced.report_due)
+
+    def _share(self, local: StepLoss, phases: dict[str, float]) -> SharedStats:
+        """Start the step's all-reduce: loss, decisions and every rank's own values."""
+        per_rank = {
+            WorkerValue.BUSY_S: self.data_wait + phases.get("forward", 0.0),
+            "peak_mb": peak_memory_mb(self.device),
+            **self.gpu.read(),
+            **self.link_probe.per_rank(),
+            **read_counts_per_rank(self.read_counts),
+        }
+        written = self.checkpointer.written_here()
+        return self.reporter.stats.start(local.loss, local.weight, written, per_rank, local.metrics)
 
     def _after_step(self, report_due: bool) -> LoopOutcome | None:
         """Profile, evaluate, checkpoint or report as due; DONE after the last step."""

@@ -48,6 +48,14 @@ class Reduced(NamedTuple):
     metrics: dict[str, float]  # the model's own metrics, averaged like the loss
 
 
+class SharedStats(NamedTuple):
+    """A step's numbers on their way to every rank (`StepStats.start`)."""
+
+    values: torch.Tensor
+    work: Any  # the all-reduce in flight, or None with one rank
+    per_rank: list[str]  # the per-rank values' names, sorted
+
+
 class StepStats:
     """All-reduce of [loss x weight, weight, report-due flag, ranks whose checkpoint write is
     done, ranks whose metric names changed, the model's metrics x weight, one slot per rank
@@ -71,6 +79,18 @@ class StepStats:
         """Every rank passes the same `per_rank` keys; `metrics` are the model's 0-dim outputs,
         averaged over the step's micro-batches (a MetricNamesError on every rank when their
         names differ between ranks, or from those of the first step)."""
+        return self.finish(self.start(local_loss, weight, written, per_rank, metrics))
+
+    def start(
+        self,
+        local_loss: float,
+        weight: float = 1.0,
+        written: bool = True,
+        per_rank: dict[str, float] | None = None,
+        metrics: dict[str, float] | None = None,
+    ) -> SharedStats:
+        """`reduce`'s all-reduce, started: `finish` waits for it, so that the step's last
+        backward pass can run meanwhile."""
         metrics = metrics or {}
         if self.metric_names is None:
             self.metric_names = agreed_names(sorted(metrics), self.world_size, "training")
@@ -81,20 +101,25 @@ class StepStats:
         header += [metrics.get(name, 0.0) * weight for name in names]
         slots = self._per_rank_slots(per_rank or {})
         values = torch.cat([torch.tensor(header, dtype=torch.float64), slots])
-        if self.world_size > 1:
-            dist.all_reduce(values)
+        work = dist.all_reduce(values, async_op=True) if self.world_size > 1 else None
+        return SharedStats(values, work, sorted(per_rank or {}))
+
+    def finish(self, shared: SharedStats) -> Reduced:
+        if shared.work is not None:
+            shared.work.wait()
+        values, names = shared.values, self.metric_names or []
         if values[4].item() > 0:
             raise MetricNamesError(
                 f"the model's metrics changed during training (the first step had {names})"
             )
         total_weight = max(values[1].item(), 1e-12)
         averaged = values[5 : 5 + len(names)] / total_weight
-        rows = values[5 + len(names) :].view(-1, self.world_size).tolist() if per_rank else []
+        rows = values[5 + len(names) :].view(-1, self.world_size).tolist() if shared.per_rank else []
         return Reduced(
             values[0].item() / total_weight,
             values[2].item() > 0,
             values[3].item() >= self.world_size,
-            dict(zip(sorted(per_rank or {}), rows, strict=True)),
+            dict(zip(shared.per_rank, rows, strict=True)),
             dict(zip(names, averaged.tolist(), strict=True)),
         )
 
