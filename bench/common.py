@@ -10,6 +10,8 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 GPT_ARGS = {"n_layers": 6, "d_model": 384, "n_heads": 6, "vocab_size": 256, "seq_len": 256}
@@ -60,3 +62,18 @@ def write_result(path: str | None, **fields: object) -> None:
 def process_start() -> float:
     """Wall-clock time this contender was launched (set by the bench runner)."""
     return float(os.environ.get("BENCH_START", time.time()))
+
+
+@contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """`values` in os.environ (inherited by the processes started meanwhile), then as before."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -32,7 +32,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import MICRO_BATCH, WARMUP_STEPS, data_dir  # noqa: E402
+from bench.common import MICRO_BATCH, WARMUP_STEPS, data_dir, environment  # noqa: E402
 from bench.report import cpu, machine  # noqa: E402
 from shoal.launch.cluster import lean_ray_env  # noqa: E402
 from shoal.messages import Metric  # noqa: E402
@@ -54,23 +54,17 @@ def simulated_cluster(workers: int) -> Iterator[str]:
         **lean_ray_env(),
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
     }
-    saved = {key: os.environ.get(key) for key in lean}
-    os.environ.update(lean)
-    cluster = Cluster(
-        initialize_head=True, connect=False, head_node_args={"num_cpus": 0, "include_dashboard": False}
-    )
-    try:
-        for _ in range(2):
-            cluster.add_node(num_cpus=workers // 2 + 1)
-        cluster.wait_for_nodes()
-        yield cluster.address
-    finally:
-        cluster.shutdown()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    with environment(lean):
+        cluster = Cluster(
+            initialize_head=True, connect=False, head_node_args={"num_cpus": 0, "include_dashboard": False}
+        )
+        try:
+            for _ in range(2):
+                cluster.add_node(num_cpus=workers // 2 + 1)
+            cluster.wait_for_nodes()
+            yield cluster.address
+        finally:
+            cluster.shutdown()
 
 
 def steady_step_s(step_ends: list[float]) -> float:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -36,6 +35,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.common import environment  # noqa: E402
 from bench.report import cpu, machine  # noqa: E402
 from bench.run import run_one  # noqa: E402
 
@@ -59,21 +59,14 @@ def cluster_with(lever: dict[str, Any]) -> Iterator[str]:
     """A one-node cluster with Ray's defaults but for the lever; yields its address."""
     from ray.cluster_utils import Cluster
 
-    env = lever.get("env", {})
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)  # inherited by the node's processes
     node = {"num_cpus": 4, "include_dashboard": True, **lever.get("node", {})}
-    cluster = Cluster(initialize_head=True, connect=False, head_node_args=node)
-    try:
-        cluster.wait_for_nodes()
-        yield cluster.address
-    finally:
-        cluster.shutdown()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    with environment(lever.get("env", {})):  # inherited by the node's processes
+        cluster = Cluster(initialize_head=True, connect=False, head_node_args=node)
+        try:
+            cluster.wait_for_nodes()
+            yield cluster.address
+        finally:
+            cluster.shutdown()
 
 
 def measure(repeats: int, steps: int) -> dict[str, Any]:
