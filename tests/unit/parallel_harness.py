@@ -127,7 +127,7 @@ def run_rank(rank: int, world: int, port: int, case: Case, out_dir: str) -> None
     )
 
     from shoal.worker.checkpoint import format as checkpoint_format
-    from shoal.worker.engine import Engine
+    from shoal.worker.engine import Engine, StepLoss
     from shoal.worker.parallel.dims import local_numel
     from shoal.worker.reporting import StepStats
 
@@ -155,8 +155,16 @@ def run_rank(rank: int, world: int, port: int, case: Case, out_dir: str) -> None
         for batch in global_batches():
             rows = _my_rows(batch, slot, slots, member, members)
             micro = [{"tokens": chunk} for chunk in rows.chunk(accumulation)]
-            loss, weight = engine.train_step([engine.combine(b) for b in micro])
-            losses.append(stats.reduce(loss, weight)[0])
+            # as the trainer does on CPU: the stats leave with the last backward pass (with
+            # plain DDP, inside its gradient all-reduce: what the equivalence tests then check)
+            shared = []
+
+            def share(step: StepLoss, shared: list = shared) -> None:
+                shared.append(stats.start(step.loss, step.weight, ride=engine.stats_ride))
+
+            local = engine.forward_backward([engine.combine(b) for b in micro], after_forward=share)
+            engine.optimizer_step()
+            losses.append(stats.finish(shared[0] if shared else stats.start(local.loss, local.weight)).loss)
     if io.get("mode") == "save":
         state = {"world_size": world, "scheduler": engine.schedulers[0].state_dict()} if rank == 0 else None
         checkpoint_format.save(Path(io["dir"]), engine.parts, engine.optimizers, rank, state)

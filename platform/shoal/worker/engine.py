@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from shoal.data.sources import window_length
 from shoal.degrees import stages_per_rank
@@ -26,6 +27,7 @@ from shoal.worker.optim import build_optimizer, build_scheduler
 from shoal.worker.parallel.dims import ParallelDims
 from shoal.worker.parallel.parallelize import parallelize
 from shoal.worker.parallel.pipeline import Pipeline, stage_indices, stage_module
+from shoal.worker.parallel.stats_ride import StatsRide, ride_hook
 from shoal.worker.precision import Precision
 from shoal.worker.runtime import seed_everything
 from shoal.worker.steps import BatchTotals
@@ -73,6 +75,7 @@ class Engine:
             for part in parts
         ]
         self.pipeline = self._pipeline(indices) if self.dims.pp > 1 else None
+        self.stats_ride = self._stats_ride(world)
         self.optimizers = [build_optimizer(part, train.optimizer) for part in self.parts]
         self.schedulers = [build_scheduler(o, total_steps, train.schedule) for o in self.optimizers]
         self.mp_group, self.mp_ranks = (None, [dist.get_rank()] if world > 1 else [0])
@@ -95,6 +98,19 @@ class Engine:
         indices = stage_indices(pp_rank, self.dims.pp, schedule)
         num_stages = self.dims.pp * stages_per_rank(schedule)
         return [stage_module(model, i, num_stages) for i in indices], indices
+
+    def _stats_ride(self, world: int) -> StatsRide | None:
+        """On CPU, plain DDP's last gradient all-reduce carries the step's stats (the
+        loop's StepStats): one collective a step instead of two. GPUs read the loss only
+        after the backward pass, too late to ride it."""
+        part = self.parts[0]
+        if self.device.type != "cpu" or world == 1 or not isinstance(part, DistributedDataParallel):
+            return None
+        if self.dims.tp > 1 or self.dims.pp > 1:  # the stats' group would not be DDP's
+            return None
+        ride = StatsRide(world)
+        part.register_comm_hook(ride, ride_hook)
+        return ride
 
     def _pipeline(self, indices: list[int]) -> Pipeline:
         parallel = self.workload.parallel

@@ -30,7 +30,6 @@ from shoal.messages import (
     ReportSummary,
     StepRecord,
     WorkerValue,
-    checkpoint_phase_metric,
     model_metric,
 )
 from shoal.models.cost import batch_shapes, trace_cost
@@ -49,11 +48,13 @@ from shoal.worker.metrics import (
     peak_memory_mb,
     read_counts_per_rank,
 )
+from shoal.worker.parallel.stats_ride import StatsRide
 from shoal.worker.profiling import ProfileWindow
 from shoal.worker.reporting import MetricNamesError, Reporter, SharedStats, StepStats
 from shoal.worker.runtime import HangWatchdog, SampleAudit, pick_device, seed_everything, write_pid_file
+from shoal.worker.step_record import Stalls, StepTiming, step_values, tokens_per_s
 from shoal.worker.steps import ValidationShare, evaluate
-from shoal.worker.stream import StreamPlan, micro_batches
+from shoal.worker.stream import StreamPlan, micro_batches, optimizer_steps, timed
 
 
 class Trainer:
@@ -95,7 +96,7 @@ class Trainer:
         ).start()
         self.profile = ProfileWindow(monitor.profile, self.rank, self.device, config.run_dir)
         self.flops_per_step: float | None = None
-        self.stalls = self._no_stalls()  # seconds spent between steps, by metric
+        self.stalls = Stalls()
         self.checkpointer = Checkpointer(
             self.engine,
             self.training,
@@ -221,7 +222,7 @@ class Trainer:
         """Train from the current position until done, a NaN rollback, a fatal error or the data's end."""
         self.watchdog.arm()
         self.step_started, self.data_wait = time.perf_counter(), 0.0
-        for group in self._steps(self._timed(self._stream())):
+        for group in optimizer_steps(timed(self._stream(), self._waited_for_data), self.accum):
             outcome = self._train_step(group)
             if outcome is not None:
                 return outcome
@@ -235,18 +236,17 @@ class Trainer:
         if self.flops_per_step is None:
             self.flops_per_step = self._flops_per_step(batches[0])
         timer, shared = time.perf_counter(), []
-        # On CPU the step's numbers go to the other ranks while the last backward pass runs
-        # (the all-reduce's wait was a quarter of a small model's step on 2 workers); on GPUs
-        # reading the loss before the backward pass would stall the device's queue.
+        # On CPU the step's numbers go to the other ranks with the last backward pass (the
+        # all-reduce's wait was a quarter of a small model's step on 2 workers), inside DDP's
+        # gradient all-reduce where it can (parallel/stats_ride.py); on GPUs reading the loss
+        # before the backward pass would stall the device's queue.
         share_early = self.device.type == "cpu" and self.world > 1
+
+        def share(loss: StepLoss) -> None:
+            shared.append(self._share(loss, self.clock.seconds, self.engine.stats_ride))
+
         try:
-            local = self.engine.forward_backward(
-                batches,
-                clock=self.clock,
-                after_forward=(lambda loss: shared.append(self._share(loss, self.clock.seconds)))
-                if share_early
-                else None,
-            )
+            local = self.engine.forward_backward(batches, self.clock, share if share_early else None)
             self.clock.add("forward_backward", time.perf_counter() - timer)
             phases = self.clock.take()
             reduced = self.reporter.stats.finish(shared[0] if shared else self._share(local, phases))
@@ -256,7 +256,7 @@ class Trainer:
         loss, gathered = reduced.loss, reduced.per_rank
         if reduced.written and self.checkpointer.pending is not None:
             self.checkpointer.finish_pending()
-            self._count_checkpoint_stall()
+            self.stalls.add_checkpoint(self.checkpointer.take_blocked())
         last = group[-1]
         self.position.epoch = last.epoch
         self.position.batches_in_epoch = (last.index // per_step + 1) * per_step
@@ -279,8 +279,9 @@ class Trainer:
         self._record_model_metrics(reduced.metrics)
         return self._after_step(reduced.report_due)
 
-    def _share(self, local: StepLoss, phases: dict[str, float]) -> SharedStats:
-        """Start the step's all-reduce: loss, decisions and every rank's own values."""
+    def _share(self, local: StepLoss, phases: dict[str, float], ride: StatsRide | None = None) -> SharedStats:
+        """Start the step's all-reduce (or give it to the coming backward pass's `ride`):
+        loss, decisions and every rank's own values."""
         per_rank = {
             WorkerValue.BUSY_S: self.data_wait + phases.get("forward", 0.0),
             "peak_mb": peak_memory_mb(self.device),
@@ -289,7 +290,7 @@ class Trainer:
             **read_counts_per_rank(self.read_counts),
         }
         written = self.checkpointer.written_here()
-        return self.reporter.stats.start(local.loss, local.weight, written, per_rank, local.metrics)
+        return self.reporter.stats.start(local.loss, local.weight, written, per_rank, local.metrics, ride)
 
     def _after_step(self, report_due: bool) -> LoopOutcome | None:
         """Profile, evaluate, checkpoint or report as due; DONE after the last step."""
@@ -300,36 +301,16 @@ class Trainer:
         if done or (every_eval and step % every_eval == 0):
             started = time.perf_counter()
             self._evaluate()
-            self.stalls[Metric.TIME_EVAL_S] += time.perf_counter() - started  # part of the next step
+            self.stalls.add(Metric.TIME_EVAL_S, time.perf_counter() - started)  # part of the next step
         self.watchdog.arm()
         if self.checkpointer.maybe_save(step, done, self._summary(final=done)):
-            self._count_checkpoint_stall()
+            self.stalls.add_checkpoint(self.checkpointer.take_blocked())
         elif report_due or self.reporter.events or self.reporter.profiles:
             started = time.perf_counter()
             self.reporter.send(self._summary())  # a barrier across the ranks: its time is measured
-            self.stalls[Metric.TIME_REPORT_S] += time.perf_counter() - started
+            self.stalls.add(Metric.TIME_REPORT_S, time.perf_counter() - started)
         self.watchdog.arm()
         return LoopOutcome.DONE if done else None
-
-    @staticmethod
-    def _no_stalls() -> dict[str, float]:
-        return {Metric.TIME_CHECKPOINT_S: 0.0, Metric.TIME_EVAL_S: 0.0, Metric.TIME_REPORT_S: 0.0}
-
-    def _count_checkpoint_stall(self) -> None:
-        """Add the time checkpointing held this thread to the next step's record, by phase."""
-        for phase, seconds in self.checkpointer.take_blocked().items():
-            name = checkpoint_phase_metric(phase)
-            self.stalls[name] = self.stalls.get(name, 0.0) + seconds
-            self.stalls[Metric.TIME_CHECKPOINT_S] += seconds
-
-    def _steps(self, items: Any) -> Any:
-        """Group this rank's micro-batches into optimizer steps (the stream yields whole steps)."""
-        group: list = []
-        for item in items:
-            group.append(item)
-            if len(group) == self.accum:
-                yield group
-                group = []
 
     def _non_finite(self, loss: float, epoch: int, step_in_epoch: int) -> LoopOutcome:
         """failure.on_nan: 'fail' stops the run, 'skip' drops this step's update, 'rollback'
@@ -352,16 +333,8 @@ class Trainer:
         )
         return LoopOutcome(policy)
 
-    def _timed(self, stream: Any) -> Any:
-        """The stream, adding the time spent waiting for each item to `self.data_wait`."""
-        iterator = iter(stream)
-        while True:
-            waited = time.perf_counter()
-            item = next(iterator, None)
-            self.data_wait += time.perf_counter() - waited
-            if item is None:
-                return
-            yield item
+    def _waited_for_data(self, seconds: float) -> None:
+        self.data_wait += seconds
 
     def _flops_per_step(self, batch: dict[str, torch.Tensor]) -> float:
         """Model FLOPs of one optimizer step (every rank's share), traced once on meta."""
@@ -383,32 +356,16 @@ class Trainer:
     ) -> None:
         for event in self.ranks.observe(self.position.step, gathered):
             self.reporter.event(event.pop("kind"), **event)
+        timing = StepTiming(elapsed, self.data_wait, phases)
         samples = self.global_batch
         values = {
-            Metric.TRAIN_LOSS: loss,
-            Metric.TRAIN_LR: self.engine.lr,
-            Metric.TRAIN_GRAD_NORM: self.engine.last_grad_norm,
-            Metric.TRAIN_SAMPLES_PER_S: samples / elapsed,
-            Metric.TRAIN_SAMPLES_PER_S_PER_WORKER: samples / elapsed / self.world,
-            Metric.TRAIN_DATA_WAIT_SHARE: self.data_wait / elapsed,  # of this step's wall time
+            **step_values(self.engine, loss, timing, samples, self.world, self.flops_per_step),
             Metric.TRAIN_EPOCH: self.position.epoch,
-            Metric.TIME_STEP_S: elapsed,
-            Metric.TIME_DATA_WAIT_S: self.data_wait,
-            Metric.TIME_FORWARD_BACKWARD_S: phases.get("forward_backward", 0.0),
-            Metric.TIME_FORWARD_S: phases.get("forward", 0.0),
-            Metric.TIME_OPTIMIZER_S: phases.get("optimizer", 0.0),
-            **self.stalls,
+            **self.stalls.take(),
             **self.ranks.step_metrics(gathered, self.gpu.available),
         }
-        self.stalls = self._no_stalls()
-        if self.flops_per_step:
-            values[Metric.PERF_TFLOPS] = self.flops_per_step / elapsed / 1e12
-            values[Metric.PERF_TFLOPS_PER_WORKER] = values[Metric.PERF_TFLOPS] / self.world
         if self.task == "lm":
-            values[Metric.TRAIN_TOKENS_PER_S] = samples * predicted_per_sample / elapsed
-            values[Metric.TRAIN_TOKENS_PER_S_PER_WORKER] = values[Metric.TRAIN_TOKENS_PER_S] / self.world
-        if self.engine.precision.scaler is not None:
-            values[Metric.TRAIN_SKIPPED_STEPS] = self.engine.precision.skipped_steps
+            values.update(tokens_per_s(samples, predicted_per_sample, elapsed, self.world))
         # Its time is when the step ended: MLflow's timestamp for this step's points.
         record = StepRecord(self.position.step, time.time(), values)
         self.training.recent.steps.append(self.reporter.record_step(record))

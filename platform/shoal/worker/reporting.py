@@ -18,6 +18,7 @@ import torch.distributed as dist
 from shoal.errors import ShoalError
 from shoal.messages import Event, EventKind, ProfileTrace, ReportSummary, StepRecord, WorkerReport
 from shoal.worker.context import TrainContext
+from shoal.worker.parallel.stats_ride import StatsRide
 
 
 class MetricNamesError(ShoalError):
@@ -88,9 +89,11 @@ class StepStats:
         written: bool = True,
         per_rank: dict[str, float] | None = None,
         metrics: dict[str, float] | None = None,
+        ride: StatsRide | None = None,
     ) -> SharedStats:
         """`reduce`'s all-reduce, started: `finish` waits for it, so that the step's last
-        backward pass can run meanwhile."""
+        backward pass can run meanwhile; with a `ride`, that pass's gradient all-reduce
+        carries it (call between the last forward and the last backward pass)."""
         metrics = metrics or {}
         if self.metric_names is None:
             self.metric_names = agreed_names(sorted(metrics), self.world_size, "training")
@@ -101,7 +104,9 @@ class StepStats:
         header += [metrics.get(name, 0.0) * weight for name in names]
         slots = self._per_rank_slots(per_rank or {})
         values = torch.cat([torch.tensor(header, dtype=torch.float64), slots])
-        work = dist.all_reduce(values, async_op=True) if self.world_size > 1 else None
+        work = None
+        if self.world_size > 1:
+            work = ride.carry(values) if ride else dist.all_reduce(values, async_op=True)
         return SharedStats(values, work, sorted(per_rank or {}))
 
     def finish(self, shared: SharedStats) -> Reduced:

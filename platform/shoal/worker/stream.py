@@ -12,9 +12,11 @@ A rank reads only its lanes' row groups, a window ahead on a background thread
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -24,6 +26,8 @@ from shoal.data.lanes import slot_micro_batches
 from shoal.data.manifest import Manifest
 from shoal.data.reader import ReadCounts, RowGroupReader, to_tensors
 from shoal.worker.checkpoint.state import Position
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -83,3 +87,26 @@ def micro_batches(
                 counts.rows_trained += rows.num_rows
                 yield Item(epoch, index, to_tensors(rows), index // plan.per_step == epoch_plan.steps - 1)
             epoch, consumed = epoch + 1, 0
+
+
+def timed(items: Iterable[T], waited: Callable[[float], None]) -> Iterator[T]:
+    """The items, telling `waited` how many seconds each took to arrive."""
+    iterator = iter(items)
+    while True:
+        started = time.perf_counter()
+        item = next(iterator, None)
+        waited(time.perf_counter() - started)
+        if item is None:
+            return
+        yield item
+
+
+def optimizer_steps(items: Iterable[T], per_step: int) -> Iterator[list[T]]:
+    """The micro-batches grouped into optimizer steps of `per_step` (the stream yields whole
+    steps, so no group is left short)."""
+    group: list[T] = []
+    for item in items:
+        group.append(item)
+        if len(group) == per_step:
+            yield group
+            group = []
