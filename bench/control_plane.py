@@ -7,11 +7,12 @@ and two worker nodes sharing the workers) at 2, 4 and 8 workers. Each repetition
 bare Ray Train script (bench/ray_train_bare.py) and `shoal run` on the same cluster, order
 alternated; the ratios are paired within a repetition.
 
-Steady step time: the median of the intervals between step ends after warm-up (the step
-end times the workers record). Time to first step: from launching the process to the end
-of step 1. shoal's report path: the seconds per step its workers spent in Ray Train's
-report (`time/report_s`, summed over the run, over the steps), and its per-step
-all-reduce is part of the step time compared.
+Steady step time: the median after warm-up of the intervals between one step's end and the
+next's, as rank 0 clocks them (bare: `time.time()` at each step end; shoal: its
+`time/step_s`, measured the same way with `perf_counter`). Time to first step: from
+launching the process to the end of step 1. shoal's report path: the seconds per step its
+workers spent in Ray Train's report (`time/report_s`, summed over the run, over the
+steps), and its per-step all-reduce is part of the step time compared.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ from shoal.messages import Metric  # noqa: E402
 RESULTS = REPO / "bench" / "results_control_plane.json"
 TINY_GPT = {"n_layers": 1, "d_model": 32, "n_heads": 2, "vocab_size": 256, "seq_len": 32}
 WORKERS = (2, 4, 8)
+# About 10 s of steady state at each size (a step takes ~5, ~15 and ~35 ms here): 300 steps of
+# 5 ms left the 2-worker ratio within +-15% from one repetition to the next.
+STEPS = {2: 2000, 4: 800, 8: 400}
 BIN = Path(sys.executable).parent
 
 
@@ -107,13 +111,14 @@ def shoal_metrics(workdir: Path, name: str, started: float, steps: int) -> dict[
         [e.experiment_id for e in client.search_experiments()],
         filter_string=f"tags.`shoal.run_name` = '{name}'",
     )
-    step_ends = {
-        m.step: m.timestamp / 1000 for m in client.get_metric_history(run.info.run_id, Metric.TIME_STEP_S)
-    }
+    steps_s = client.get_metric_history(run.info.run_id, Metric.TIME_STEP_S)
+    first = min(steps_s, key=lambda m: m.step)  # its timestamp is when step 1 ended, on the worker
     reports = client.get_metric_history(run.info.run_id, Metric.TIME_REPORT_S)
     return {
-        "step_s": steady_step_s(list(step_ends.values())),
-        "first_step_s": step_ends[1] - started,
+        # The value is the worker's own step-end-to-step-end interval (perf_counter): MLflow's
+        # timestamps are whole milliseconds, too coarse for a 5 ms step.
+        "step_s": statistics.median(m.value for m in steps_s if m.step > WARMUP_STEPS + 1),
+        "first_step_s": first.timestamp / 1000 - started,
         "report_s_per_step": sum(m.value for m in reports) / steps,
         "reports": sum(1 for m in reports if m.value > 0),
     }
@@ -128,11 +133,11 @@ def _run(command: list[str], workdir: Path) -> float:
     return started
 
 
-def measure(repeats: int, steps: int, sizes: tuple[int, ...]) -> dict[str, Any]:
+def measure(repeats: int, steps: dict[int, int], sizes: tuple[int, ...]) -> dict[str, Any]:
     results: dict[str, Any] = {
         "machine": machine(),
         "cpu": cpu(),
-        "steps": steps,
+        "steps": {str(workers): steps[workers] for workers in sizes},
         "repeats": repeats,
         "model": TINY_GPT,
         "began": time.time(),
@@ -146,7 +151,7 @@ def measure(repeats: int, steps: int, sizes: tuple[int, ...]) -> dict[str, Any]:
                     pair = {}
                     order = [("bare", bare), ("shoal", shoal)]
                     for name, contender in order if repeat % 2 == 0 else order[::-1]:
-                        pair[name] = contender(address, workers, steps, Path(tmp))
+                        pair[name] = contender(address, workers, steps[workers], Path(tmp))
                         print(f"r{repeat} {workers} workers {name}: {pair[name]}", flush=True)
                 results["runs"].setdefault(str(workers), []).append(pair)
                 RESULTS.write_text(json.dumps(results, indent=1))
@@ -157,10 +162,11 @@ def measure(repeats: int, steps: int, sizes: tuple[int, ...]) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, help=f"steps at every size (default: {STEPS})")
     parser.add_argument("--workers", type=int, nargs="+", default=list(WORKERS))
     args = parser.parse_args()
-    results = measure(args.repeats, args.steps, tuple(args.workers))
+    steps = {w: args.steps or STEPS.get(w, 400) for w in args.workers}
+    results = measure(args.repeats, steps, tuple(args.workers))
     RESULTS.write_text(json.dumps(results, indent=1))
     print(f"wrote {RESULTS}")
 
