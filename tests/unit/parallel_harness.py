@@ -192,6 +192,7 @@ def run_rank(rank: int, world: int, port: int, case: Case, out_dir: str) -> None
             "local_optim": local_optim,
             "parameters": engine.parameters,
             "skipped": engine.precision.skipped_steps,
+            "stats_carried": engine.stats_ride.carried if engine.stats_ride else 0,
         },
         Path(out_dir) / f"rank{rank}.pt",
     )

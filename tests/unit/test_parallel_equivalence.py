@@ -61,6 +61,8 @@ def test_strategy_matches_single_process(name: str, reference: dict, tmp_path: P
     difference = max_weight_difference(outputs, reference)
     print(f"{name}: max |weight - reference| = {difference:.2e}")
     assert difference < FP32_WEIGHTS
+    # plain DDP on CPU: every step's stats rode its gradient all-reduce (worker/parallel/stats_ride.py)
+    assert [o["stats_carried"] for o in outputs] == [3 if name == "ddp" else 0] * world
 
 
 def test_bf16_fsdp_is_close_to_fp32(reference: dict, tmp_path: Path) -> None:

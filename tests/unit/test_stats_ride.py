@@ -64,6 +64,7 @@ def _rank(rank: int, port: int, dtype: torch.dtype, out: str) -> None:
         loss.backward()
         reduced = stats.finish(shared)
         results["reduced"] = (reduced.loss, reduced.written, reduced.per_rank)
+        results["carried"] = ride.carried
         # what each rank's gradients should be: the mean over both ranks' halves, on one process
         local = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(dtype)
         with torch.no_grad():
@@ -106,6 +107,8 @@ def test_gradients_are_ddps_average_and_the_stats_arrive_summed(tmp_path: Path, 
         assert loss == pytest.approx(1.5) and written
         assert per_rank == {"addr": [ADDRESS, ADDRESS + 1], "peak_mb": [100.0, 101.0]}
     assert torch.equal(ranks[0]["stats0"], ranks[1]["stats0"])  # every rank decides on the same numbers
+    # fp32: two steps and the StepStats one rode the last bucket; bf16 buckets carried none
+    assert [r["carried"] for r in ranks] == ([3, 3] if dtype == torch.float32 else [0, 0])
 
 
 def test_split_halves_add_back_to_the_float64_value() -> None:

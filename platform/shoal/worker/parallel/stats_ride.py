@@ -10,8 +10,9 @@ The stats are float64; a bucket holds float32 (or float64) gradients. Each stat 
 as two float32 halves (the value rounded, then what rounding lost), summed separately
 and added back: a per-rank slot, where one rank sends a value and the others zeros,
 comes back exact to ~48 bits (a 32-bit address or a row count included); a sum over
-ranks, to fp32's rounding of each half. Buckets of other dtypes (bf16 parameters) carry
-nothing, and the stats take their own all-reduce, on every rank alike.
+ranks, to fp32's rounding of each half (a finite stat beyond fp32's range, ~3.4e38, would
+come back inf: no stat shoal sends is near it). Buckets of other dtypes (bf16 parameters)
+carry nothing: the stats start their own all-reduce beside that bucket's, on every rank alike.
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as objects.
@@ -40,20 +41,24 @@ class StatsRide:
         self.world = world
         self.outgoing: torch.Tensor | None = None
         self.received: torch.Tensor | None = None
+        self.alone: dist.Work | None = None  # the stats' own all-reduce, where no bucket carried them
+        self.carried = 0  # steps whose stats rode a bucket
 
     def carry(self, values: torch.Tensor) -> "RideWork":
         """Offer `values` (float64, summed over ranks in place) to the coming backward pass:
         call between the last forward and the last backward of a step."""
-        self.outgoing, self.received = values, None
+        self.outgoing, self.received, self.alone = values, None, None
         return RideWork(self, values)
 
     def hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
         buffer.div_(self.world)
-        outgoing = self.outgoing if bucket.is_last() and buffer.dtype in CARRIES else None
+        outgoing = self.outgoing if bucket.is_last() else None
+        if outgoing is not None and buffer.dtype not in CARRIES:
+            self.alone, self.outgoing, outgoing = dist.all_reduce(outgoing, async_op=True), None, None
         if outgoing is None:
             return dist.all_reduce(buffer, async_op=True).get_future().then(lambda done: done.value()[0])
-        self.outgoing = None
+        self.outgoing, self.carried = None, self.carried + 1
         size = buffer.numel()
         packed = torch.cat([buffer.flatten(), split64(outgoing, buffer.dtype)])
 
@@ -72,17 +77,21 @@ def ride_hook(ride: StatsRide, bucket: dist.GradBucket) -> torch.futures.Future[
 
 
 class RideWork:
-    """What `dist.all_reduce(..., async_op=True)` returns, for stats that rode the backward
-    pass: `wait()` after it puts the sums in place (or all-reduces them, where no bucket
-    could carry them: the same on every rank)."""
+    """What `dist.all_reduce(..., async_op=True)` returns, for stats offered to the backward
+    pass: `wait()` after it puts the sums in place (waiting for their own all-reduce where
+    no bucket could carry them, or starting one where no bucket came: the same on every rank)."""
 
     def __init__(self, ride: StatsRide, values: torch.Tensor):
         self.ride, self.values = ride, values
 
     def wait(self) -> bool:
-        received, self.ride.outgoing, self.ride.received = self.ride.received, None, None
-        if received is None:
-            dist.all_reduce(self.values)
-        else:
+        ride = self.ride
+        received, alone = ride.received, ride.alone
+        ride.outgoing, ride.received, ride.alone = None, None, None
+        if received is not None:
             self.values.copy_(received)
+        elif alone is not None:
+            alone.wait()
+        else:
+            dist.all_reduce(self.values)
         return True
