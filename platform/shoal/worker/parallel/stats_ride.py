@@ -18,6 +18,7 @@ carry nothing: the stats start their own all-reduce beside that bucket's, on eve
 # No `from __future__ import annotations`: DDP checks the hook's annotations as objects.
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 CARRIES = (torch.float32, torch.float64)
 
@@ -52,13 +53,13 @@ class StatsRide:
 
     def hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
-        buffer.div_(self.world)
         outgoing = self.outgoing if bucket.is_last() else None
         if outgoing is not None and buffer.dtype not in CARRIES:
             self.alone, self.outgoing, outgoing = dist.all_reduce(outgoing, async_op=True), None, None
         if outgoing is None:
-            return dist.all_reduce(buffer, async_op=True).get_future().then(lambda done: done.value()[0])
+            return allreduce_hook(None, bucket)  # DDP's own average
         self.outgoing, self.carried = None, self.carried + 1
+        buffer.div_(self.world)
         size = buffer.numel()
         packed = torch.cat([buffer.flatten(), split64(outgoing, buffer.dtype)])
 
