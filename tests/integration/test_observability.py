@@ -76,8 +76,12 @@ def test_a_run_records_its_speed_a_straggler_and_a_profile(workdir: Path, capsys
 
     step_s, forward_backward = history("time/step_s"), history("time/forward_backward_s")
     assert all(0 < fb <= total for fb, total in zip(forward_backward, step_s, strict=True))
-    for key in ("time/data_wait_s", "time/optimizer_s", "time/checkpoint_s", "time/eval_s"):
+    for key in ("time/data_wait_s", "time/optimizer_s"):
         assert min(history(key)) >= 0
+    # A stall is a point at the step after it, only there: the reports the straggler's event
+    # and the profile's trace set off (a barrier each) are some, not every step.
+    reports = client.get_metric_history(result.run_id, "time/report_s")
+    assert 0 < len(reports) < STEPS and all(m.value > 0 and 1 < m.step <= STEPS for m in reports)
     assert min(history("perf/tflops")) > 0 and min(history("memory/peak_mb")) > 100  # a process RSS
     samples = history("train/samples_per_s")
     per_worker = history("train/samples_per_s_per_worker")

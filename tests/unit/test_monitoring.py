@@ -161,3 +161,36 @@ def test_only_rank_0_sends_the_records_the_driver_reads() -> None:
     message = ReportMessage.from_ranks([sent[0], sent[1]], None)
     assert [r.step for r in message.steps] == [1] and [e.kind for e in message.events] == [EventKind.EVAL]
     assert sent[1]["step"] == 1 and sent[1][STEPS_KEY] == [] and sent[1][EVENTS_KEY] == []
+
+
+def _links(readings: list[float]) -> dict[str, list[float]]:
+    world = len(readings)
+    return {
+        "busy_s": [0.01] * world,
+        "link_rtt_s": readings,
+        "link_address": [-1.0] * world,
+        "peak_mb": [1.0] * world,
+    }
+
+
+def test_a_link_reading_is_a_point_at_the_step_it_came_and_not_at_each_step_after() -> None:
+    watch = RankWatch(MonitorSpec())
+    shown = []
+    for readings in ([0.001, -1.0], [0.001, 0.002], [0.001, 0.002], [0.003, 0.002]):
+        metrics = watch.step_metrics(_links(readings), gpus=False)
+        shown.append({k: v for k, v in metrics.items() if "link_rtt" in k})
+    assert shown == [
+        {"worker/0/link_rtt_s": 0.001},
+        {"worker/1/link_rtt_s": 0.002},
+        {},
+        {"worker/0/link_rtt_s": 0.003},
+    ]
+
+
+def test_beyond_the_threshold_the_links_spread_is_a_point_when_any_rank_has_a_new_reading() -> None:
+    watch = RankWatch(MonitorSpec())
+    first = [0.001] * 15 + [0.004]
+    spread = [watch.step_metrics(_links(r), gpus=False).get("worker/link_rtt_s/max") for r in (first, first)]
+    newer = first[:3] + [0.009] + first[4:]  # rank 3 timed again: the spread is over every rank's latest
+    spread.append(watch.step_metrics(_links(newer), gpus=False).get("worker/link_rtt_s/max"))
+    assert spread == [0.004, None, 0.009]

@@ -35,7 +35,7 @@ from shoal.messages import (
     worker_metric,
 )
 from shoal.spec.schema import MonitorSpec
-from shoal.worker.links import LINK_ADDRESS, address_of
+from shoal.worker.links import LINK_ADDRESS, NO_READING, address_of
 
 
 class PhaseClock:
@@ -234,6 +234,7 @@ class RankWatch:
         self.links = StragglerWatch(
             stragglers.factor, stragglers.steps, stragglers.link_min_gap_s, WorkerValue.LINK_RTT_S
         )
+        self.logged_links: dict[int, float] = {}  # each rank's reading last put in its series
 
     def observe(self, step: int, gathered: dict[str, list[float]]) -> list[dict[str, Any]]:
         """Straggler events of this step. Every rank sees the same gathered values and so
@@ -246,7 +247,21 @@ class RankWatch:
         ]
 
     def step_metrics(self, gathered: dict[str, list[float]], gpus: bool) -> dict[str, float]:
-        return worker_metrics(gathered, gpus, self.up_to, self.busy.flagged | self.links.flagged)
+        shown = {**gathered, WorkerValue.LINK_RTT_S: self._new_link_readings(gathered)}
+        return worker_metrics(shown, gpus, self.up_to, self.busy.flagged | self.links.flagged)
+
+    def _new_link_readings(self, gathered: dict[str, list[float]]) -> list[float]:
+        """A link is timed every few seconds, not every step: a rank's round trip is a point
+        in its series at the step its reading came, not again at every step that still
+        carries it. Beyond `up_to` ranks, the spread over every rank's latest reading is a
+        point whenever any rank has a new one."""
+        readings = gathered.get(WorkerValue.LINK_RTT_S, [])
+        logged = self.logged_links
+        new = {rank for rank, value in enumerate(readings) if value >= 0 and logged.get(rank) != value}
+        self.logged_links.update({rank: readings[rank] for rank in new})
+        if len(readings) > self.up_to:
+            return list(readings) if new else [NO_READING] * len(readings)
+        return [value if rank in new else NO_READING for rank, value in enumerate(readings)]
 
     def epoch_metrics(self, gathered: dict[str, list[float]]) -> dict[str, float]:
         return data_metrics(gathered, self.up_to, self.busy.flagged | self.links.flagged)

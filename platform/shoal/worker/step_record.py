@@ -13,15 +13,13 @@ if TYPE_CHECKING:
     from shoal.worker.engine import Engine
 
 
-def _no_stalls() -> dict[str, float]:
-    return {Metric.TIME_CHECKPOINT_S: 0.0, Metric.TIME_EVAL_S: 0.0, Metric.TIME_REPORT_S: 0.0}
-
-
 class Stalls:
-    """Seconds spent between steps, by metric, until the next step's record takes them."""
+    """Seconds spent between steps, by metric, until the next step's record takes them. A
+    stall is a point in its series at the step after it happened, and only there: most steps
+    have none, and a zero at each of them only made rows for the tracking store to write."""
 
     def __init__(self) -> None:
-        self.seconds = _no_stalls()
+        self.seconds: dict[str, float] = {}
 
     def add(self, metric: str, seconds: float) -> None:
         self.seconds[metric] = self.seconds.get(metric, 0.0) + seconds
@@ -33,7 +31,7 @@ class Stalls:
             self.add(Metric.TIME_CHECKPOINT_S, seconds)
 
     def take(self) -> dict[str, float]:
-        taken, self.seconds = self.seconds, _no_stalls()
+        taken, self.seconds = self.seconds, {}
         return taken
 
 
