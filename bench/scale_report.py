@@ -42,10 +42,16 @@ def control_plane(saved: dict[str, Any]) -> list[str]:
         "process to the end of step 1. shoal's report path: the seconds per step its workers spent in "
         "Ray Train's report (`time/report_s`; a report every 2 s), beside the per-step all-reduce of "
         "its stats, which is inside the step time compared (it rides DDP's gradient all-reduce: "
-        "worker/parallel/stats_ride.py). On 2 cores every process shares the CPUs: at 8 workers over "
-        "1,500 steps shoal's workers took 153 CPU-s against bare's 133 (bare's reading runs in Ray "
-        "Data's tasks, ~20 CPU-s more), and shoal's driver 13.5-14.5 CPU-s against 3.6 (MLflow's writes "
-        "of every step's metrics); lowering the writer thread's priority changed no step time.",
+        "worker/parallel/stats_ride.py). On 2 cores every process shares the CPUs. A /proc sampler "
+        "(bench/cpu_share.py's method) around two pairs at 8 workers and 1,500 steps: shoal's workers "
+        "took 153-169 CPU-s against bare's 142-149 (bare's reading runs in Ray Data's tasks, ~25 "
+        "CPU-s more), shoal's driver 13.8-14.6 CPU-s against 4.1-4.4: 7.9-9.8 of them for the start "
+        "and end (a 20-step run's driver took that), the rest MLflow's writes of every step's "
+        "metrics: 27 rows a step at 8 workers, ~0.1 ms "
+        "of CPU each in MLflow's sqlite store (38 before stall times and link round trips became "
+        "points only at the steps they happened). With the driver writing two series instead of all, "
+        "a paired A/B at 8 workers ran 1.23, 1.04 and 1.11 x faster; lowering the writer thread's "
+        "priority changed no step time.",
         "",
         "| workers | steady step s, bare | shoal | shoal / bare | first step s, bare | shoal | "
         "shoal / bare | shoal's report s / step | reports |",
