@@ -97,3 +97,24 @@ def test_a_background_write_that_fails_is_never_a_checkpoint(tmp_path, monkeypat
     latest = str(tmp_path / "storage" / "checkpoint-00000002")
     again, _ = trainer(tmp_path / "again", workload(train={"max_steps": 8}), rows(200), latest=latest)
     assert again.checkpointer.restore().source == latest and again.position.step == 2
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_save_that_fails_before_its_write_leaves_no_files(tmp_path, monkeypatch, asynchronous) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    checkpoint = {"every_steps": 2, "async": asynchronous, "keep": 10}
+    run, context = trainer(tmp_path, workload(train={"max_steps": 8}, checkpoint=checkpoint), rows(200))
+    real_states = checkpoint_format.states
+
+    def states(parts, optimizers):
+        if run.position.step == 4:
+            raise MemoryError("no room to gather the state dict")
+        return real_states(parts, optimizers)
+
+    monkeypatch.setattr(checkpoint_format, "states", states)
+    with pytest.raises(MemoryError, match="no room"):
+        run.run()
+    run.checkpointer.close()
+    assert [r.checkpoint for r in context.reports if r.checkpoint] == ["checkpoint-00000002"]
+    assert list((tmp_path / "tmp").iterdir()) == []  # step 4's directory went with its failure

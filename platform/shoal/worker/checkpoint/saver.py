@@ -109,26 +109,34 @@ class Checkpointer:
         self.finish_pending()  # if_busy "wait": the write in flight is waited for, then reported
         directory = Path(tempfile.mkdtemp(prefix="shoal-ckpt-"))
         phases: dict[str, float] = {}
-        with self._timed(phases, "extras"):
-            trainer_state = self._trainer_state() if self.rank == 0 else None
-            checkpoint_format.write_extras(directory, self.rank, trainer_state)
-        with self._timed(phases, "state_dict"):
-            states = checkpoint_format.states(self.engine.parts, self.engine.optimizers)
-        future = None
-        if self.writer is None:
-            with self._timed(phases, "write"):
-                dcp.save(states, checkpoint_id=str(directory))
-            with self._timed(phases, "seal"):
-                checkpoint_format.seal(directory, self.rank)
-        else:
-            with self._timed(phases, "staging"):
-                future = self.writer.write(states, directory, self.rank)
+        try:
+            future = self._write(directory, phases)
+        except BaseException:  # not pending yet: nothing else would remove its files
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
         self.pending = PendingSave(
             directory, future, summary, checkpoint_format.checkpoint_name(step), step, phases
         )
         self.training.checkpointed()
         if future is None or final:
             self.finish_pending()
+
+    def _write(self, directory: Path, phases: dict[str, float]) -> Future | None:
+        """This rank's part of the checkpoint into `directory`: written and sealed, or handed
+        to the background writer (its future)."""
+        with self._timed(phases, "extras"):
+            trainer_state = self._trainer_state() if self.rank == 0 else None
+            checkpoint_format.write_extras(directory, self.rank, trainer_state)
+        with self._timed(phases, "state_dict"):
+            states = checkpoint_format.states(self.engine.parts, self.engine.optimizers)
+        if self.writer is not None:
+            with self._timed(phases, "staging"):
+                return self.writer.write(states, directory, self.rank)
+        with self._timed(phases, "write"):
+            dcp.save(states, checkpoint_id=str(directory))
+        with self._timed(phases, "seal"):
+            checkpoint_format.seal(directory, self.rank)
+        return None
 
     @contextmanager
     def _timed(self, phases: dict[str, float], name: str) -> Iterator[None]:
