@@ -3,6 +3,9 @@ all-reduce, which MLflow failures are worth retrying, the end-of-run plot, meta 
 
 from __future__ import annotations
 
+import random
+import statistics
+
 import pytest
 import requests
 import torch
@@ -23,7 +26,7 @@ from shoal.models.cost import trace_cost
 from shoal.spec.schema import MonitorSpec
 from shoal.tracking.artifacts import plot_run
 from shoal.tracking.mlflow_run import is_unreachable
-from shoal.worker.metrics import RankWatch, StragglerWatch, per_rank_series, worker_metrics
+from shoal.worker.metrics import RankWatch, StragglerWatch, medians_of_others, per_rank_series, worker_metrics
 from shoal.worker.reporting import Reporter, StepStats
 
 
@@ -194,3 +197,14 @@ def test_beyond_the_threshold_the_links_spread_is_a_point_when_any_rank_has_a_ne
     newer = first[:3] + [0.009] + first[4:]  # rank 3 timed again: the spread is over every rank's latest
     spread.append(watch.step_metrics(_links(newer), gpus=False).get("worker/link_rtt_s/max"))
     assert spread == [0.004, None, 0.009]
+
+
+def test_medians_of_others_are_statistics_median_of_the_rest() -> None:
+    rng = random.Random(7)
+    cases = [[0.5, 0.1], [0.1, 0.1, 0.1], [3.0, 1.0, 2.0, 2.0]]
+    cases += [
+        [rng.choice([0.1, 0.2, rng.random()]) for _ in range(n)] for n in range(2, 40) for _ in range(5)
+    ]
+    for values in cases:
+        expected = [statistics.median(values[:i] + values[i + 1 :]) for i in range(len(values))]
+        assert medians_of_others(values) == expected, values

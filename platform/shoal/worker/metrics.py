@@ -8,6 +8,7 @@ only the part before them tells workers apart.
 
 from __future__ import annotations
 
+import bisect
 import resource
 import statistics
 import time
@@ -147,12 +148,10 @@ class StragglerWatch:
     ) -> list[dict[str, Any]]:
         """`values[rank]` this step; `nodes[rank]`, where known, names the rank's node."""
         measured = {rank: value for rank, value in enumerate(values) if value >= 0}
-        events = []
-        for rank, seconds in measured.items():
-            others = [value for other, value in measured.items() if other != rank]
-            if not others:
-                return []
-            median = statistics.median(others)
+        if len(measured) < 2:
+            return []
+        events, medians = [], medians_of_others(list(measured.values()))
+        for (rank, seconds), median in zip(measured.items(), medians, strict=True):
             slow = seconds > self.factor * median and seconds - median >= self.min_gap_s
             if self.per_reading and self.last.get(rank) == seconds:
                 continue  # the same reading as at the last step
@@ -178,6 +177,25 @@ class StragglerWatch:
                 self.flagged.discard(rank)
                 events.append({"kind": EventKind.STRAGGLER_RECOVERED, "rank": rank, **where, "step": step})
         return events
+
+
+def medians_of_others(values: list[float]) -> list[float]:
+    """For each value, `statistics.median` of all the others, from one sort: a median per
+    rank over the rest took 82 ms a step at 1,024 ranks, on every rank."""
+    ordered, middle = sorted(values), (len(values) - 1) // 2
+    odd_rest = len(values) % 2 == 0
+
+    def kth_of_rest(k: int, gone: int) -> float:  # the rest: `ordered` without index `gone`
+        return ordered[k if k < gone else k + 1]
+
+    medians = []
+    for value in values:
+        gone = bisect.bisect_left(ordered, value)  # any copy of an equal value leaves the same rest
+        if odd_rest:
+            medians.append(kth_of_rest(middle, gone))
+        else:
+            medians.append((kth_of_rest(middle - 1, gone) + kth_of_rest(middle, gone)) / 2)
+    return medians
 
 
 def per_rank_series(
@@ -258,7 +276,7 @@ class RankWatch:
         readings = gathered.get(WorkerValue.LINK_RTT_S, [])
         logged = self.logged_links
         new = {rank for rank, value in enumerate(readings) if value >= 0 and logged.get(rank) != value}
-        self.logged_links.update({rank: readings[rank] for rank in new})
+        logged.update({rank: readings[rank] for rank in new})
         if len(readings) > self.up_to:
             return list(readings) if new else [NO_READING] * len(readings)
         return [value if rank in new else NO_READING for rank, value in enumerate(readings)]
