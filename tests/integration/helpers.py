@@ -47,7 +47,8 @@ def events(client: MlflowClient, run_id: str, into: Path) -> list[dict]:
     return json.loads(Path(client.download_artifacts(run_id, "events.json", str(into))).read_text())
 
 
-def shoal_cli(args: list[str], cwd: Path, **env: str) -> subprocess.Popen:
+def shoal_cli(args: list[str], cwd: Path, own_group: bool = False, **env: str) -> subprocess.Popen:
+    """`shoal ARGS` in `cwd`; with `own_group`, in a process group of its own (to stop it whole)."""
     return subprocess.Popen(
         [sys.executable, "-m", "shoal.cli", *args],
         cwd=cwd,
@@ -55,6 +56,7 @@ def shoal_cli(args: list[str], cwd: Path, **env: str) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        start_new_session=own_group,
     )
 
 

@@ -111,6 +111,26 @@ def test_a_driver_killed_before_its_first_checkpoint_leaves_no_run_running(
     assert loss_steps(client, run.info.run_id) == list(range(1, 301))
 
 
+def test_a_stop_whose_driver_ray_ended_at_once_is_recorded_killed(workdir: Path, ray_cluster: str) -> None:
+    """`scancel` stops Ray on the driver's node together with the driver, and Ray then ends the
+    driver before it runs any Python (seen in the Slurm test). Here the stop reaches the
+    driver's process group and the driver is SIGKILLed at once: its watch records the run."""
+    spec = str(WORKLOADS / "quickstart.yaml")
+    args = ["run", spec, "--address", ray_cluster, "--run-name", "cut", "--set", "train.max_steps=2000"]
+    audit = workdir / "shoal_runs" / "cut" / "audit" / "rank0.jsonl"
+    driver = shoal_cli(args, workdir, own_group=True, SHOAL_AUDIT_SAMPLES="1")
+    wait_for(lambda: driver.poll() is not None or (audit.exists() and audit.stat().st_size > 0), 300, "steps")
+    assert driver.poll() is None, "the run ended before it could be stopped"
+    os.killpg(driver.pid, signal.SIGTERM)
+    driver.kill()
+    _, err = driver.communicate(timeout=60)  # its stderr closes once the watch has ended too
+    client = MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("quickstart").experiment_id])
+    assert run.info.status == "KILLED" and run.data.tags["shoal.stop_reason"] == "stopped by SIGTERM"
+    said = f"the driver ended before recording it: MLflow run {run.info.run_id} is now KILLED"
+    assert f"shoal: stopped by SIGTERM; {said}" in err and "Traceback" not in err, err
+
+
 def _mount_tmpfs(path: Path, options: str) -> None:
     path.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], check=True)

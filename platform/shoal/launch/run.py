@@ -25,6 +25,7 @@ from shoal.redact import without_credentials_data
 from shoal.spec import LoadedWorkload
 from shoal.tracking import Observer, Recorder, open_run, resolve_uri
 from shoal.tracking.drain import Drainer
+from shoal.tracking.driver_watch import DriverWatch, stop_reason
 from shoal.tracking.mlflow_run import CWD_TAG, git_commit
 from shoal.worker.batching import global_batch_size
 from shoal.worker.config import WorkerConfig
@@ -84,7 +85,7 @@ class Interrupted(KeyboardInterrupt):
 
     def __init__(self, signum: signal.Signals):
         super().__init__(signum)
-        self.reason = "interrupted (Ctrl-C)" if signum == signal.SIGINT else f"stopped by {signum.name}"
+        self.reason = stop_reason(signum)
 
 
 def fit_interruptibly(trainer: Any) -> None:
@@ -308,6 +309,9 @@ def run(
         best = w.checkpoint.keep_best
         keeper = best and BestKeeper(storage, run_name, best.metric, best.mode, tracked.set_tags)
         drainer = Drainer(queue, recorder, keeper or None)
+        # where signals reach this driver (see fit_interruptibly), so may a stop Ray cuts short
+        on_main_thread = threading.current_thread() is threading.main_thread()
+        watch = DriverWatch.start(uri, tracked.run_id) if on_main_thread else None
         try:
             trainer = _trainer(
                 loaded,
@@ -334,6 +338,8 @@ def run(
                 drainer.finish()
             _fill_result(result, recorder)
             result.unsent_writes = recorder.finish(result.status)
+            if watch:
+                watch.close()
     return result
 
 
