@@ -3,15 +3,18 @@ stop the driver could not, and nothing else."""
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
 
-from shoal.tracking.driver_watch import STOP_GRACE_S, DriverWatch
+from shoal.tracking.driver_watch import STOP_GRACE_S, WATCH_FD_ENV, DriverWatch
 
 
 @pytest.fixture
@@ -44,8 +47,7 @@ def handles_sigterm(pid: int) -> bool:
 
 def driver_ends(watch: DriverWatch) -> None:
     """The driver's end of the pipe closes without a word, as when Ray exits the driver."""
-    assert watch.process.stdin is not None
-    watch.process.stdin.close()
+    watch.pipe.close()
 
 
 def ended(watch: DriverWatch) -> tuple[int, str]:
@@ -114,3 +116,87 @@ def test_a_watch_that_cannot_record_says_so(tmp_path: Path) -> None:
     code, said = ended(watch)
     assert code == 1, said
     assert said.startswith("shoal: stopped by SIGTERM; MLflow run no-such-run could not be recorded"), said
+
+
+def test_a_driver_closing_without_recording_lets_the_watch_decide_at_once(running) -> None:
+    client, uri, run_id = running
+    watch = started(uri, run_id)
+    watch.process.send_signal(signal.SIGINT)  # a Ctrl-C, then recording failed (a second one)
+    watch.close(recorded=False)
+    assert watch.process.returncode == 0  # close() waited for the watch's decision
+    assert client.get_run(run_id).data.tags["shoal.stop_reason"] == "interrupted (Ctrl-C)"
+
+
+def test_a_driver_under_the_watch_finds_its_pipe(monkeypatch: pytest.MonkeyPatch) -> None:
+    read_end, write_end = os.pipe()
+    monkeypatch.setenv(WATCH_FD_ENV, str(write_end))
+    watch = DriverWatch.start("sqlite:////runs/mlflow.db", "abc")
+    assert watch is not None and watch.process is None and WATCH_FD_ENV not in os.environ
+    assert not os.get_inheritable(write_end)  # this driver's own children never hold it
+    watch.close()
+    with os.fdopen(read_end, "rb") as pipe:
+        first, rest = pipe.readline(), pipe.read()
+    assert json.loads(first) == {"uri": "sqlite:////runs/mlflow.db", "run_id": "abc"} and rest == b"closed\n"
+
+
+# A driver run under the watch (`python -m shoal.tracking.driver_watch CMD...`): it opens its
+# run, says so through the pipe, writes its pid, then waits to be stopped or to finish.
+FAKE_DRIVER = """
+import json, os, sys, time
+uri, run_id, pid_file, finish = sys.argv[1:5]
+pipe = os.fdopen(int(os.environ["SHOAL_WATCH_FD"]), "wb")
+pipe.write(json.dumps({"uri": uri, "run_id": run_id}).encode() + b"\\n")
+pipe.flush()
+open(pid_file, "w").write(str(os.getpid()))
+if finish == "finish":
+    pipe.write(b"closed\\n")
+    pipe.close()
+    sys.exit(3)
+time.sleep(60)
+"""
+
+
+def kept(tmp_path: Path, uri: str, run_id: str, finish: bool) -> tuple[subprocess.Popen, int]:
+    """The watch running a fake driver: (the watch's process, the driver's pid)."""
+    pid_file = tmp_path / "driver.pid"
+    fake = [sys.executable, "-c", FAKE_DRIVER, uri, run_id, str(pid_file), "finish" if finish else "wait"]
+    keeper = subprocess.Popen(
+        [sys.executable, "-m", "shoal.tracking.driver_watch", *fake], stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 30
+    while not (pid_file.exists() and pid_file.read_text() and (finish or handles_sigterm(keeper.pid))):
+        assert time.monotonic() < deadline, "the fake driver did not start"
+        time.sleep(0.02)
+    return keeper, int(pid_file.read_text())
+
+
+def test_a_driver_under_the_watch_that_ray_ended_is_recorded_killed(running, tmp_path: Path) -> None:
+    """As in a Slurm job: the stop reaches the watch (the batch script's child), while Ray has
+    already ended the driver."""
+    client, uri, run_id = running
+    keeper, driver = kept(tmp_path, uri, run_id, finish=False)
+    os.kill(driver, signal.SIGKILL)
+    time.sleep(STOP_GRACE_S / 4)
+    keeper.send_signal(signal.SIGTERM)
+    _, said = keeper.communicate(timeout=60)
+    assert keeper.returncode == 128 + signal.SIGKILL  # the driver's end, as a shell says it
+    assert f"MLflow run {run_id} is now KILLED" in said
+    assert client.get_run(run_id).info.status == "KILLED"
+
+
+def test_a_driver_under_the_watch_that_closed_its_run_keeps_its_exit_status(running, tmp_path: Path) -> None:
+    client, uri, run_id = running
+    keeper, _ = kept(tmp_path, uri, run_id, finish=True)
+    _, said = keeper.communicate(timeout=60)
+    assert (keeper.returncode, said) == (3, "")
+    assert client.get_run(run_id).info.status == "RUNNING"  # whatever the driver recorded stands
+
+
+def test_the_watch_says_when_it_cannot_run_the_driver() -> None:
+    keeper = subprocess.run(
+        [sys.executable, "-m", "shoal.tracking.driver_watch", "/no/such/shoal", "run"],
+        capture_output=True,
+        text=True,
+    )
+    assert keeper.returncode == 127
+    assert keeper.stderr == "shoal: cannot run /no/such/shoal: No such file or directory\n"

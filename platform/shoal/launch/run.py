@@ -334,13 +334,23 @@ def run(
             result.status = "KILLED"
             result.reason = exc.reason if isinstance(exc, Interrupted) else "interrupted (Ctrl-C)"
         finally:
-            if drainer.is_alive():
-                drainer.finish()
-            _fill_result(result, recorder)
-            result.unsent_writes = recorder.finish(result.status)
-            if watch:
-                watch.close()
+            _close_run(result, recorder, drainer, watch)
     return result
+
+
+def _close_run(result: RunResult, recorder: Recorder, drainer: Drainer, watch: DriverWatch | None) -> None:
+    """The last reports recorded and the MLflow run closed; the watch learns whether that
+    happened (if not, it decides now from the stops it saw, not when this process ends)."""
+    recorded = False
+    try:
+        if drainer.is_alive():
+            drainer.finish()
+        _fill_result(result, recorder)
+        result.unsent_writes = recorder.finish(result.status)
+        recorded = True
+    finally:
+        if watch:
+            watch.close(recorded)
 
 
 def _log_final_model(
