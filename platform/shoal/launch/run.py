@@ -88,6 +88,11 @@ class Interrupted(KeyboardInterrupt):
         self.reason = stop_reason(signum)
 
 
+def signals_reach_here() -> bool:
+    """Python runs signal handlers on the main thread only (a sweep's trials run on others)."""
+    return threading.current_thread() is threading.main_thread()
+
+
 def fit_interruptibly(trainer: Any) -> None:
     """`trainer.fit()` in a helper thread, so that Ctrl-C and SIGTERM reach shoal.
 
@@ -105,7 +110,7 @@ def fit_interruptibly(trainer: Any) -> None:
     def on_signal(signum: int, frame: Any) -> None:
         raise Interrupted(signal.Signals(signum))
 
-    if threading.current_thread() is not threading.main_thread():
+    if not signals_reach_here():
         trainer.fit()  # signals belong to whoever owns the main thread
         return
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -309,9 +314,8 @@ def run(
         best = w.checkpoint.keep_best
         keeper = best and BestKeeper(storage, run_name, best.metric, best.mode, tracked.set_tags)
         drainer = Drainer(queue, recorder, keeper or None)
-        # where signals reach this driver (see fit_interruptibly), so may a stop Ray cuts short
-        on_main_thread = threading.current_thread() is threading.main_thread()
-        watch = DriverWatch.start(uri, tracked.run_id) if on_main_thread else None
+        # where a stop reaches this driver, so may a stop that Ray cuts short
+        watch = DriverWatch.start(uri, tracked.run_id) if signals_reach_here() else None
         try:
             trainer = _trainer(
                 loaded,

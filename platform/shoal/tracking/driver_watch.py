@@ -164,15 +164,15 @@ def record_stop(uri: str, run_id: str, reason: str) -> int:
     # deferred: the watch idles through every run, and MLflow takes a second to import
     from mlflow.entities import RunTag
 
-    from shoal.tracking.mlflow_run import tracking_client
+    from shoal.tracking.mlflow_run import ended_tag, tracking_client
 
     logging.getLogger("mlflow").setLevel(logging.WARNING)  # one line of its own, said below
     try:
         client = tracking_client(uri)
         if client.get_run(run_id).info.status != "RUNNING":
             return 0
-        ended = time.strftime("%Y-%m-%dT%H:%M:%S")
-        client.log_batch(run_id, tags=[RunTag("shoal.ended", ended), RunTag("shoal.stop_reason", reason)])
+        tags = {**ended_tag(), "shoal.stop_reason": reason}
+        client.log_batch(run_id, tags=[RunTag(key, value) for key, value in tags.items()])
         client.set_terminated(run_id, "KILLED")
     except Exception as exc:
         said = redact(f"shoal: {reason}; MLflow run {run_id} could not be recorded as KILLED: {exc}")

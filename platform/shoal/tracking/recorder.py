@@ -8,7 +8,6 @@ workers but not logged again.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +26,7 @@ from shoal.messages import (
 )
 from shoal.plan.catalog import gpu_for_device
 from shoal.tracking.artifacts import PLOTTED, TensorBoard, plot_run, save_trace
-from shoal.tracking.mlflow_run import TrackedRun
+from shoal.tracking.mlflow_run import TrackedRun, ended_tag
 
 EVENTS_FILE = "events.json"  # the run's events, an MLflow artifact
 FLUSH_AT_END_S = 300.0  # how long the end of a run waits for an unreachable MLflow
@@ -220,7 +219,7 @@ class Recorder:
     def finish(self, status: str) -> int:
         """Close the run; the number of writes MLflow never took (0 when all were sent).
         Waits up to FLUSH_AT_END_S for an unreachable store; without it, no plot."""
-        self.run.set_tags({"shoal.ended": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        self.run.set_tags(ended_tag())
         reachable = self.run.flush_within(FLUSH_AT_END_S)
         if reachable:
             self._extra("the plot", self._plot)
