@@ -56,6 +56,7 @@ def _custom_rank(rank: int, port: int, tmp_path: Path, spec: dict) -> None:
         "stopped": last.get("fatal"),
     }
     (tmp_path / f"rank{rank}.json").write_text(json.dumps(outcome))
+    dist.barrier()  # no rank tears gloo down while another still reads the last collective
     dist.destroy_process_group()
 
 

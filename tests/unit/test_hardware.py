@@ -140,6 +140,7 @@ def _agree(rank: int, port: int, kinds: list[list[str]], out: str) -> None:
             setattr(torch.cpu, name, lambda answer=answer: answer)
         found.append(agreed_precision("auto", torch.device("cpu")))
     Path(out, f"rank{rank}").write_text(",".join(found))
+    dist.barrier()  # no rank tears gloo down while another still reads the last collective
     dist.destroy_process_group()
 
 

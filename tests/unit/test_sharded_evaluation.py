@@ -45,6 +45,7 @@ def _evaluate_on_rank(rank: int, world: int, port: int, manifest_json: str, out:
         )
     torch.save(results, Path(out) / f"rank{rank}.pt")
     if world > 1:
+        dist.barrier()  # no rank tears gloo down while another still reads the last collective
         dist.destroy_process_group()
 
 

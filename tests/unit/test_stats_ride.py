@@ -73,6 +73,7 @@ def _rank(rank: int, port: int, dtype: torch.dtype, out: str) -> None:
         sum(local(inputs[r * 2 : r * 2 + 2]).square().mean() for r in range(WORLD)).div(WORLD).backward()
         results["expected_grads"] = [p.grad.clone() for p in local.parameters()]
         torch.save(results, Path(out) / f"rank{rank}.pt")
+        dist.barrier()  # no rank tears gloo down while another still reads the last collective
     finally:
         dist.destroy_process_group()
 

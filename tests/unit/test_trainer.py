@@ -182,6 +182,7 @@ def _two_rank_attempt(rank: int, port: int, tmp_path: Path, spec: dict[str, Any]
     manifest = parquet_manifest(tmp_path / f"data-{rank}", rows(160))
     config = WorkerConfig(Workload.model_validate(spec), "classify", str(tmp_path / "run"), 1e9, 1, manifest)
     Trainer(replace(config, audit_samples=True), context).run()
+    dist.barrier()  # no rank tears gloo down while another still reads the last collective
     dist.destroy_process_group()
 
 
