@@ -41,14 +41,14 @@ class StatsRide:
     def __init__(self, world: int):
         self.world = world
         self.outgoing: torch.Tensor | None = None
-        self.riding: tuple[torch.Tensor, int] | None = None  # (packed bucket, its gradients' length)
+        self.received: torch.Tensor | None = None
         self.alone: dist.Work | None = None  # the stats' own all-reduce, where no bucket carried them
         self.carried = 0  # steps whose stats rode a bucket
 
     def carry(self, values: torch.Tensor) -> "RideWork":
         """Offer `values` (float64, summed over ranks in place) to the coming backward pass:
         call between the last forward and the last backward of a step."""
-        self.outgoing, self.riding, self.alone = values, None, None
+        self.outgoing, self.received, self.alone = values, None, None
         return RideWork(self, values)
 
     def hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -60,16 +60,16 @@ class StatsRide:
             return allreduce_hook(None, bucket)  # DDP's own average
         self.outgoing, self.carried = None, self.carried + 1
         buffer.div_(self.world)
+        size = buffer.numel()
         packed = torch.cat([buffer.flatten(), split64(outgoing, buffer.dtype)])
-        self.riding = (packed, buffer.numel())
-        # DDP takes each gradient from its offset in the tensor the future holds, so the packed
-        # tensor itself serves; the stats are unpacked on the training thread (RideWork.wait),
-        # leaving the callback that runs on gloo's thread, under the GIL, as light as DDP's own.
-        return dist.all_reduce(packed, async_op=True).get_future().then(_first_tensor)
 
+        def unpack(done: torch.futures.Future) -> torch.Tensor:
+            summed = done.value()[0]
+            self.received = join64(summed[size:])
+            buffer.copy_(summed[:size].view_as(buffer))
+            return buffer
 
-def _first_tensor(done: torch.futures.Future) -> torch.Tensor:
-    return done.value()[0]
+        return dist.all_reduce(packed, async_op=True).get_future().then(unpack)
 
 
 def ride_hook(ride: StatsRide, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -87,11 +87,10 @@ class RideWork:
 
     def wait(self) -> bool:
         ride = self.ride
-        riding, alone = ride.riding, ride.alone
-        ride.outgoing, ride.riding, ride.alone = None, None, None
-        if riding is not None:  # the backward pass is over: DDP has waited for its all-reduces
-            packed, size = riding
-            self.values.copy_(join64(packed[size:]))
+        received, alone = ride.received, ride.alone
+        ride.outgoing, ride.received, ride.alone = None, None, None
+        if received is not None:
+            self.values.copy_(received)
         elif alone is not None:
             alone.wait()
         else:
