@@ -37,6 +37,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/telemetry.py --repeats 3
 	$(BIN)/python bench/control_plane.py --repeats 3
 	$(BIN)/python bench/levers.py --repeats 3
+	$(BIN)/python bench/ray_idle.py --repeats 3
 	$(BIN)/python bench/run.py --repeats 3
 
 bench-recovery: $(STAMP)

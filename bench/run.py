@@ -28,7 +28,7 @@ from bench.data_plane_report import data_plane, val_parity  # noqa: E402
 from bench.gpu_report import section as one_gpu  # noqa: E402
 from bench.multinode import three_node_cluster  # noqa: E402
 from bench.report import RECOVERY_SECTION, commit_ab, cpu, machine, render  # noqa: E402
-from bench.scale_report import control_plane, levers  # noqa: E402
+from bench.scale_report import control_plane, levers, ray_idle  # noqa: E402
 from bench.telemetry_report import telemetry  # noqa: E402
 from shoal.messages import Metric  # noqa: E402
 
@@ -134,8 +134,8 @@ def main() -> None:
     telemetry_runs = REPO / "bench" / "results_telemetry.json"  # bench/telemetry.py's, when run
     if telemetry_runs.exists():
         text += "\n".join(telemetry(json.loads(telemetry_runs.read_text()))) + "\n"
-    for name, section in (("control_plane", control_plane), ("levers", levers)):
-        saved = REPO / "bench" / f"results_{name}.json"  # bench/control_plane.py's, bench/levers.py's
+    for name, section in (("control_plane", control_plane), ("levers", levers), ("ray_idle", ray_idle)):
+        saved = REPO / "bench" / f"results_{name}.json"  # written by bench/{name}.py
         if saved.exists():
             text += "\n".join(section(json.loads(saved.read_text()))) + "\n"
     one_gpu_runs = REPO / "bench" / "results_gpu.json"  # `make gpu-check`'s, when run on a GPU

@@ -1,5 +1,5 @@
-"""BENCHMARKS.md's control-plane and cluster-settings sections, from bench/control_plane.py's
-and bench/levers.py's saved results."""
+"""BENCHMARKS.md's control-plane, cluster-settings and idle-Ray-process sections, from
+bench/control_plane.py's, bench/levers.py's and bench/ray_idle.py's saved results."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from bench.report import summarise, verdict
 
 CONTROL_SECTION = "## Control plane as workers grow"
 LEVERS_SECTION = "## Cluster settings for steady state"
+IDLE_SECTION = "## What one idle Ray process costs"
 STEADY_TARGET, FIRST_STEP_TARGET = 1.05, 1.2
 
 
@@ -118,3 +119,29 @@ SETTINGS = {
     "dashboard": "`--include-dashboard=false`",
     "lean": "all four at once",
 }
+
+
+def ray_idle(saved: dict[str, Any]) -> list[str]:
+    runs = saved["runs"]
+    return [
+        "",
+        IDLE_SECTION,
+        "",
+        f"`.venv/bin/python bench/ray_idle.py --repeats {saved['repeats']}`, from {_when(saved)} UTC on "
+        f"{saved['machine']}; CPU capability {saved['cpu']}. {saved['actors']} actors that do nothing on "
+        f"a local Ray started as `shoal run` starts one, measured over {saved['window_s']:g} s per "
+        "repetition from /proc; medians (min-max) of the per-actor means. Every Ray worker process "
+        "runs Ray's task-execution loop, whose main thread wakes every 10 ms to check for signals and "
+        "takes the GIL to do it (CoreWorker::RunTaskExecutionLoop; the period is compiled into Ray, "
+        "not a setting). A `shoal run` has seven such processes beside its trainers (Ray Train's "
+        "controller, placement-group cleaner and synchronization actor, its dataset manager, Ray "
+        "Data's autoscaling coordinator, a prestarted idle worker and shoal's report queue: the "
+        "table of where the cores went), and each trainer has that thread too, waking beside the "
+        "training thread, which Ray Train runs apart from the main one. torchrun's ranks have "
+        "neither: this is the floor under shoal's and bare Ray Train's gap to torchrun on 2 cores "
+        "that no cluster setting above removes.",
+        "",
+        "| main thread's wake-ups / s | main thread, cores | whole process, cores |",
+        "| --- | --- | --- |",
+        f"| {_of(runs, 'wakeups_per_s')} | {_of(runs, 'main_thread_cores')} | {_of(runs, 'process_cores')} |",
+    ]

@@ -98,3 +98,19 @@ def test_a_cluster_setting_helps_only_when_every_repetition_gained():
     text = "\n".join(levers(saved))
     assert "| `RAY_enable_metrics_collection=false` | 0.925 (0.92-0.93) | 1.02 (1.02-1.02) | helps |" in text
     assert "| `--include-dashboard=false` | 0.915 (0.88-0.95) | 1.01 (0.967-1.06) | no clear gain |" in text
+
+
+def test_the_idle_ray_process_row_is_the_median_of_the_repetitions():
+    from bench.scale_report import ray_idle
+
+    runs = [
+        {"wakeups_per_s": 99.0, "main_thread_cores": 0.006, "process_cores": 0.009},
+        {"wakeups_per_s": 101.0, "main_thread_cores": 0.004, "process_cores": 0.007},
+        {"wakeups_per_s": 100.0, "main_thread_cores": 0.005, "process_cores": 0.008},
+    ]
+    saved = {"repeats": 3, "began": 0.0, "machine": "m", "cpu": "AVX2", "actors": 3, "window_s": 20.0}
+    saved["runs"] = runs
+    lines = ray_idle(saved)
+    assert "`.venv/bin/python bench/ray_idle.py --repeats 3`" in lines[3]
+    assert "CPU capability AVX2" in lines[3]
+    assert lines[-1] == "| 100 (99-101) | 0.005 (0.004-0.006) | 0.008 (0.007-0.009) |"
