@@ -33,6 +33,17 @@ def _name(pid: int, comm: str) -> str:
     return os.path.basename(script)
 
 
+def stat_fields(stat: str) -> tuple[str, list[str]]:
+    """A /proc stat line, a process's or a thread's: its name, and the fields after the name."""
+    return stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+
+
+def cpu_seconds(stat_file: Path) -> float:
+    """User + system CPU seconds from /proc/PID/stat or /proc/PID/task/TID/stat."""
+    _, rest = stat_fields(stat_file.read_text())
+    return (int(rest[11]) + int(rest[12])) / TICKS_PER_S
+
+
 def snapshot() -> Snapshot:
     taken: Snapshot = {}
     for entry in os.listdir("/proc"):
@@ -42,7 +53,7 @@ def snapshot() -> Snapshot:
             stat = Path(f"/proc/{entry}/stat").read_text()
         except OSError:
             continue
-        comm, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+        comm, rest = stat_fields(stat)
         taken[int(entry)] = (int(rest[11]) + int(rest[12]), _name(int(entry), comm), int(rest[19]))
     return taken
 

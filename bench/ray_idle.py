@@ -25,24 +25,19 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.common import environment  # noqa: E402
+from bench.cpu_share import cpu_seconds  # noqa: E402
 from bench.report import cpu, machine  # noqa: E402
 from shoal.launch.cluster import lean_ray_env  # noqa: E402
 
 RESULTS = REPO / "bench" / "results_ray_idle.json"
-TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def thread_counters(pid: int, tid: int) -> tuple[float, int]:
-    """(CPU seconds, voluntary context switches) of one thread."""
-    stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-    status = Path(f"/proc/{pid}/task/{tid}/status").read_text().splitlines()
+def main_thread_counters(pid: int) -> tuple[float, int]:
+    """(CPU seconds, voluntary context switches) of a process's main thread."""
+    thread = Path(f"/proc/{pid}/task/{pid}")
+    status = (thread / "status").read_text().splitlines()
     switches = next(int(line.split()[1]) for line in status if line.startswith("voluntary_ctxt_switches"))
-    return (int(stat[11]) + int(stat[12])) / TICKS, switches
-
-
-def process_cpu_s(pid: int) -> float:
-    stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(stat[11]) + int(stat[12])) / TICKS
+    return cpu_seconds(thread / "stat"), switches
 
 
 def measure_once(actors: int, window_s: float) -> dict[str, float]:
@@ -60,9 +55,9 @@ def measure_once(actors: int, window_s: float) -> dict[str, float]:
         handles = [Idle.remote() for _ in range(actors)]
         pids = ray.get([handle.pid.remote() for handle in handles])
         time.sleep(5)  # past the actors' start
-        before = [(thread_counters(pid, pid), process_cpu_s(pid)) for pid in pids]
+        before = [(main_thread_counters(pid), cpu_seconds(Path(f"/proc/{pid}/stat"))) for pid in pids]
         time.sleep(window_s)
-        after = [(thread_counters(pid, pid), process_cpu_s(pid)) for pid in pids]
+        after = [(main_thread_counters(pid), cpu_seconds(Path(f"/proc/{pid}/stat"))) for pid in pids]
     finally:
         ray.shutdown()
     per_actor = [

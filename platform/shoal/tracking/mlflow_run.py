@@ -35,12 +35,6 @@ RUN_NAME_TAG = "shoal.run_name"
 RUN_DIR_TAG = "shoal.run_dir"
 CWD_TAG = "shoal.cwd"
 
-
-def ended_tag() -> dict[str, str]:
-    """`shoal.ended`: when the run was closed, by its driver or by the driver's watch."""
-    return {"shoal.ended": time.strftime("%Y-%m-%dT%H:%M:%S")}
-
-
 PARAM_LIMIT = 6000
 RETRY_EVERY_S = 5.0  # while the store is unreachable, how often buffered writes are retried
 # MLflow's HTTP client retries 7 times with exponential backoff (minutes per call) by default;
@@ -54,6 +48,11 @@ CLIENT_ENV = {
     "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
 }
 log = logging.getLogger("shoal")
+
+
+def ended_tag() -> dict[str, str]:
+    """`shoal.ended`: when the run was closed, by its driver or by the driver's watch."""
+    return {"shoal.ended": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
 class TrackingError(ShoalError, RuntimeError):
