@@ -34,6 +34,8 @@ def test_checkpoint_from_two_ranks_loads_on_one_and_three(strategy: str, tmp_pat
                 assert torch.equal(rank_state["weights"][name], tensor), (world, name)
             assert rank_state["optim"].keys() == saver["optim"].keys()
             for key, value in saver["optim"].items():
+                if key.endswith((".fused", ".foreach")):  # the loading run's own kernel (worker/optim.py)
+                    continue
                 other = rank_state["optim"][key]
                 assert torch.equal(other, value) if torch.is_tensor(value) else other == value, (world, key)
             assert rank_state["lr"] == saver["lr"]

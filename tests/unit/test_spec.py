@@ -270,3 +270,14 @@ def test_an_alias_mlflow_reserves_is_refused_before_launch(alias: str) -> None:
     (error,) = errors_of(WORKLOADS / "quickstart.yaml", overrides)
     assert error.startswith(f"--set tracking.register.alias={alias}")
     assert f"MLflow reserves the alias '{alias}'" in error
+
+
+def test_fused_sgd_on_sharded_parameters_is_refused_before_launch(tmp_path: Path) -> None:
+    path = WORKLOADS / "quickstart.yaml"
+    sgd_fused = ["train.optimizer.name=sgd", "train.optimizer.implementation=fused"]
+    assert errors_of(path, [*sgd_fused, "parallel.strategy=fsdp"]) == [
+        "--set train.optimizer.implementation=fused train.optimizer.implementation: torch has no fused "
+        "SGD for sharded parameters (fsdp or tp: dp_shard=2, tp=1); use auto or foreach"
+    ]
+    assert load(path, sgd_fused).workload.train.optimizer.implementation == "fused"  # ddp: plain tensors
+    assert load(path, ["train.optimizer.implementation=foreach", "parallel.strategy=fsdp"])

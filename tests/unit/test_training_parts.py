@@ -127,6 +127,63 @@ def test_sgd_with_momentum() -> None:
     assert optimizer.param_groups[0]["momentum"] == 0.8 and optimizer.param_groups[0]["lr"] == 1e-2
 
 
+def _kernels(optimizer: torch.optim.Optimizer) -> set[tuple[object, object]]:
+    return {(bool(group["fused"]), bool(group["foreach"])) for group in optimizer.param_groups}
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_auto_picks_the_fused_kernel_and_each_choice_is_what_torch_is_asked_for(name: str) -> None:
+    model = build_model({"family": "mlp", "args": {"hidden": 8}})
+    spec = OPTIMIZER.model_copy(update={"name": name})
+    assert _kernels(build_optimizer(model, spec)) == {(True, False)}
+    chosen = {
+        implementation: _kernels(
+            build_optimizer(model, spec.model_copy(update={"implementation": implementation}))
+        )
+        for implementation in ("fused", "foreach", "for-loop")
+    }
+    assert chosen["fused"] == {(True, False)} and chosen["foreach"] == {(False, True)}
+    assert chosen["for-loop"] == {(False, False)}
+
+
+def test_the_fused_kernel_trains_as_torchs_default_does() -> None:
+    """Same start, same batches: the fused AdamW and torch's for-loop end within float rounding."""
+    trained = []
+    for implementation in ("fused", "for-loop"):
+        torch.manual_seed(0)
+        model = build_model({"family": "mlp", "args": {"hidden": 16}})
+        optimizer = build_optimizer(model, OPTIMIZER.model_copy(update={"implementation": implementation}))
+        torch.manual_seed(1)
+        _train_a_little(model, optimizer, build_scheduler(optimizer, 100, SCHEDULE), 20)
+        trained.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    fused, loop = trained
+    assert not torch.equal(fused, torch.zeros_like(fused))
+    torch.testing.assert_close(fused, loop, rtol=1e-5, atol=1e-6)
+
+
+def test_a_checkpoint_of_one_kernel_resumes_under_another(tmp_path: Path) -> None:
+    """Fused AdamW keeps its step count as a tensor on the parameters' device: a checkpoint
+    written by torch's default kernel restores into it and trains on alike."""
+    torch.manual_seed(0)
+    model = build_model({"family": "mlp", "args": {"hidden": 16}})
+    optimizer = build_optimizer(model, OPTIMIZER.model_copy(update={"implementation": "for-loop"}))
+    scheduler = build_scheduler(optimizer, 100, SCHEDULE)
+    _train_a_little(model, optimizer, scheduler, 4)
+    state = {"position": {"step": 4}, "world_size": 1, "scheduler": scheduler.state_dict()}
+    checkpoint.save(tmp_path, [model], [optimizer], rank=0, trainer_state=state)
+    fresh = build_model({"family": "mlp", "args": {"hidden": 16}})
+    fused = build_optimizer(fresh, OPTIMIZER)
+    fresh_scheduler = build_scheduler(fused, 100, SCHEDULE)
+    checkpoint.restore(tmp_path, [fresh], [fused], [fresh_scheduler], rank=0)
+    assert _kernels(fused) == {(True, False)}
+    torch.manual_seed(5)
+    _train_a_little(model, optimizer, scheduler, 3)
+    torch.manual_seed(5)
+    _train_a_little(fresh, fused, fresh_scheduler, 3)
+    for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def _saved(tmp_path: Path) -> Path:
     model = build_model({"family": "mlp", "args": {"hidden": 8}})
     optimizer = build_optimizer(model, OPTIMIZER)

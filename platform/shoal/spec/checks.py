@@ -141,9 +141,24 @@ def check_parallel(workload: Workload, source: Source, task: str | None) -> list
             resolved.append(Degrees.resolve(parallel, world))
         except DegreeError as exc:
             issues.append(_issue(source, "parallel", f"{exc} (scaling.workers: {world})"))
-    if issues or task is None:
+    if issues:
         return issues
-    return [_issue(source, path, message) for path, message in _split_problems(workload, resolved)]
+    issues += _optimizer_problems(workload, source, resolved)
+    if task is None:
+        return issues
+    return issues + [_issue(source, path, message) for path, message in _split_problems(workload, resolved)]
+
+
+def _optimizer_problems(workload: Workload, source: Source, resolved: list[Degrees]) -> list[SpecIssue]:
+    optimizer = workload.train.optimizer
+    sharded = [d for d in resolved if d.uses_fsdp or d.tp > 1]
+    if optimizer.name != "sgd" or optimizer.implementation != "fused" or not sharded:
+        return []
+    message = (
+        "torch has no fused SGD for sharded parameters (fsdp or tp: "
+        f"dp_shard={sharded[0].dp_shard}, tp={sharded[0].tp}); use auto or foreach"
+    )
+    return [_issue(source, "train.optimizer.implementation", message)]
 
 
 def _split_problems(workload: Workload, resolved: list[Degrees]) -> list[tuple[str, str]]:

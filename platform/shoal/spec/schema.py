@@ -120,6 +120,9 @@ class OptimizerSpec(Section):
     weight_decay: float = Field(0.0, ge=0, le=100)
     momentum: float = Field(0.9, ge=0, lt=1)
     betas: FloatPair = (0.9, 0.999)
+    # torch's kernel for the update. auto: fused where torch has one for the parameters (AdamW
+    # always, SGD on unsharded ones), else torch's default; for-loop is torch's default on CPU.
+    implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"
 
     @field_validator("betas")
     @classmethod

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from shoal.spec.schema import OptimizerSpec, ScheduleSpec
+
+FUSED_DEVICES = ("cpu", "cuda")  # where torch 2.11+ has fused AdamW and SGD kernels
 
 
 def build_optimizer(model: nn.Module, spec: OptimizerSpec) -> torch.optim.Optimizer:
@@ -18,9 +22,36 @@ def build_optimizer(model: nn.Module, spec: OptimizerSpec) -> torch.optim.Optimi
         {"params": decay, "weight_decay": spec.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+    kernel = kernel_options(spec, decay + no_decay)
     if spec.name == "adamw":
-        return torch.optim.AdamW(groups, lr=spec.lr, betas=spec.betas)
-    return torch.optim.SGD(groups, lr=spec.lr, momentum=spec.momentum)
+        return torch.optim.AdamW(groups, lr=spec.lr, betas=spec.betas, **kernel)
+    return torch.optim.SGD(groups, lr=spec.lr, momentum=spec.momentum, **kernel)
+
+
+def kernel_options(spec: OptimizerSpec, params: list[torch.Tensor]) -> dict[str, bool]:
+    """The optimizer's `fused` / `foreach` arguments for `spec.implementation`. One fused kernel
+    updates every tensor of a group in a single pass; torch's CPU default runs a dozen Python-
+    dispatched ops per tensor (AdamW on a 10M-parameter GPT: 9.5 ms fused, 44.5 ms default)."""
+    choice = spec.implementation
+    if choice == "auto":
+        choice = "fused" if fused_kernel_fits(spec.name, params) else "default"
+    return {
+        "fused": {"fused": True},
+        "foreach": {"foreach": True},
+        "for-loop": {"foreach": False, "fused": False},
+        "default": {},
+    }[choice]
+
+
+def fused_kernel_fits(name: str, params: list[torch.Tensor]) -> bool:
+    """Whether torch's fused kernel can step these parameters: floating point, on a device
+    it has the kernel for, and (SGD) not sharded: DTensor has no sharding rule for fused SGD."""
+    return bool(params) and all(
+        p.is_floating_point()
+        and p.device.type in FUSED_DEVICES
+        and (name == "adamw" or not isinstance(p, DTensor))
+        for p in params
+    )
 
 
 def lr_multiplier(step: int, total_steps: int, schedule: ScheduleSpec) -> float:
@@ -35,6 +66,26 @@ def lr_multiplier(step: int, total_steps: int, schedule: ScheduleSpec) -> float:
     if schedule.decay == "linear":
         return floor + (1 - floor) * (1 - progress)
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def kernel_flags(optimizer: torch.optim.Optimizer) -> list[tuple[Any, Any]]:
+    """Each param group's (fused, foreach): what `reapply_kernel` puts back after a restore."""
+    return [(group.get("fused"), group.get("foreach")) for group in optimizer.param_groups]
+
+
+def reapply_kernel(optimizer: torch.optim.Optimizer, flags: list[tuple[Any, Any]]) -> None:
+    """A restored state brings the saving run's kernel flags with it: this run's choice wins,
+    and each step count moves to where that kernel keeps it (fused: a float32 tensor on the
+    parameter's device; otherwise on the CPU, as torch's own load would place it)."""
+    for group, (fused, foreach) in zip(optimizer.param_groups, flags, strict=True):
+        group["fused"], group["foreach"] = fused, foreach
+        on_device = bool(fused or group.get("capturable"))
+        for param in group["params"]:
+            state = optimizer.state.get(param, {})
+            step = state.get("step")
+            if torch.is_tensor(step):
+                device = param.device if on_device else torch.device("cpu")
+                state["step"] = step.to(device=device, dtype=torch.float32 if fused else step.dtype)
 
 
 def build_scheduler(

@@ -37,6 +37,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from shoal.worker.optim import kernel_flags, reapply_kernel
+
 TRAINER_STATE = "trainer_state.json"
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -175,7 +177,9 @@ def restore(
         names = set(get_model_state_dict(part))
         set_model_state_dict(part, {k: v for k, v in loaded["model"].items() if k in names})
         own = {k: v for k, v in loaded["optim"].items() if _fqn(k) in names}
+        kernel = kernel_flags(optimizer)
         set_optimizer_state_dict(part, optimizer, own, options=_FLAT)
+        reapply_kernel(optimizer, kernel)
     for scheduler in schedulers:
         scheduler.load_state_dict(state["scheduler"])
     rng_file = directory / f"rng-rank{rank}.pt"
