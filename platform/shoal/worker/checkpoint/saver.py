@@ -83,13 +83,9 @@ class Checkpointer:
         self.blocked: dict[str, float] = {}  # the training thread's seconds saving, by phase
 
     # -- saving -----------------------------------------------------------------------
-    def maybe_save(self, step: int, last: bool, summary: ReportSummary) -> bool:
-        """Checkpoint after every `checkpoint.every_steps`-th step and after the last one;
-        True when it did (the summary then went to the driver with it)."""
-        if not (last or (self.every_steps and step % self.every_steps == 0)):
-            return False
-        self.save(summary, final=last)
-        return True
+    def due(self, step: int, last: bool) -> bool:
+        """Whether to checkpoint now: after every `checkpoint.every_steps`-th step and the last."""
+        return last or bool(self.every_steps and step % self.every_steps == 0)
 
     def save(self, summary: ReportSummary, final: bool = False) -> None:
         """Checkpoint the current step (a synchronous one is reported before this returns);

@@ -16,6 +16,7 @@ carry nothing: the stats start their own all-reduce beside that bucket's, on eve
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as objects.
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -23,11 +24,17 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 CARRIES = (torch.float32, torch.float64)
 
 
+NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
+
+
 def split64(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """float64 values as [rounded to `dtype`, what rounding lost], concatenated."""
-    high = values.to(dtype)
-    lost = torch.where(high.isfinite(), values - high.to(torch.float64), 0.0)  # inf stays inf
-    return torch.cat([high, lost.to(dtype)])
+    """float64 values (on CPU) as [rounded to `dtype`, what rounding lost], concatenated; in
+    numpy, where these few small operations cost a fifth of torch's dispatch."""
+    exact = values.numpy()
+    high = exact.astype(NUMPY_DTYPES[dtype])
+    with np.errstate(invalid="ignore"):  # inf - inf: the where below keeps inf as it is
+        lost = np.where(np.isfinite(high), exact - high, 0.0).astype(high.dtype)
+    return torch.from_numpy(np.concatenate([high, lost]))
 
 
 def join64(halves: torch.Tensor) -> torch.Tensor:
