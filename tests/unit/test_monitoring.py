@@ -26,7 +26,15 @@ from shoal.models.cost import trace_cost
 from shoal.spec.schema import MonitorSpec
 from shoal.tracking.artifacts import plot_run
 from shoal.tracking.mlflow_run import is_unreachable
-from shoal.worker.metrics import RankWatch, StragglerWatch, medians_of_others, per_rank_series, worker_metrics
+from shoal.worker import metrics
+from shoal.worker.metrics import (
+    PeakMemory,
+    RankWatch,
+    StragglerWatch,
+    medians_of_others,
+    per_rank_series,
+    worker_metrics,
+)
 from shoal.worker.reporting import Reporter, StepStats
 
 
@@ -208,3 +216,21 @@ def test_medians_of_others_are_statistics_median_of_the_rest() -> None:
     for values in cases:
         expected = [statistics.median(values[:i] + values[i + 1 :]) for i in range(len(values))]
         assert medians_of_others(values) == expected, values
+
+
+def test_peak_memory_is_read_at_most_once_a_second_on_cpu_and_every_time_on_a_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    now, reads = [100.0], []
+    monkeypatch.setattr(metrics.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(
+        metrics, "peak_memory_mb", lambda device: reads.append(device.type) or 10.0 * len(reads)
+    )
+    cpu = PeakMemory(torch.device("cpu"))
+    assert [cpu.read(), cpu.read()] == [10.0, 10.0] and reads == ["cpu"]
+    now[0] += 0.99
+    assert cpu.read() == 10.0 and len(reads) == 1
+    now[0] += 0.02
+    assert cpu.read() == 20.0 and len(reads) == 2
+    gpu = PeakMemory(torch.device("cuda", 0))  # CUDA's counter is a read of host memory: no cache
+    assert [gpu.read(), gpu.read()] == [30.0, 40.0] and reads[2:] == ["cuda", "cuda"]
