@@ -53,6 +53,8 @@ def commands(precision: str, steps: int, out: Path, address: str = "") -> dict[s
         "torchrun": [*torchrun, str(REPO / "bench" / "torchrun_ddp.py"), *common],
         "ray": [sys.executable, str(REPO / "bench" / "ray_train_bare.py"), *common],
         "shoal": shoal,
+        # The optimizer kernel the peers run (torch's default): shoal's own cost, the kernel aside.
+        "shoal-for-loop": [*shoal, "--set", "train.optimizer.implementation=for-loop"],
         "shoal-1-worker": [*shoal, "--set", "scaling.workers=1"],
         "shoal-3-nodes": [*shoal, "--address", address],
         "data": [sys.executable, str(REPO / "bench" / "data_pipeline.py"), "--out", str(out)],
@@ -164,11 +166,11 @@ def measure(args: argparse.Namespace) -> None:
         print(f"{precision} {tag} {name}: {shown}", flush=True)
         Path(args.results).write_text(json.dumps(results, indent=1))
 
-    names = ["torchrun", "ray", "shoal"]
+    names = ["torchrun", "ray", "shoal", "shoal-for-loop"]
     with tempfile.TemporaryDirectory(prefix="shoal-bench-") as tmp:
         for precision in ("fp32", "bf16"):
             for repeat in range(args.repeats):
-                for name in names[repeat % 3 :] + names[: repeat % 3]:
+                for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
                     record(precision, name, f"r{repeat}")
                 if precision == "fp32":  # paired with this repetition's single-node shoal
                     with three_node_cluster() as address:

@@ -65,6 +65,26 @@ def test_render_writes_every_section_with_paired_ratios():
     )
     assert "tokens/s 3 nodes / 1 node 0.944 (0.944-0.944)" in text
     assert "(16.0 min)" in text
+    assert "shoal-for-loop" not in text  # results from before the kernel A/B render as they were
+
+
+def test_the_kernel_ab_gets_its_own_row_and_ratio_to_torchrun():
+    by_name = {
+        "torchrun": [run(2000, 5), run(2100, 5), run(1900, 5)],
+        "ray": [run(1800, 20)] * 3,
+        "shoal": [run(2000, 22, data_wait_share=0.001)] * 3,
+        "shoal-for-loop": [run(1800, 22), run(1890, 22), run(1805, 22)],
+        "shoal-3-nodes": [run(1700, 21)] * 3,
+        "shoal-1-worker": [run(1500, 19)] * 3,
+        "data": [{"rows_per_s": 3000.0}] * 3,
+    }
+    results = {"machine": "m", "steps": 20, "repeats": 3, "began": 0.0, "ended": 960.0}
+    text = render({**results, "runs": {"fp32": by_name, "bf16": by_name}})
+    assert "| fp32 | shoal-for-loop | 1,805 (1,800-1,890) |" in text
+    assert (
+        "| fp32 | 1 (0.952-1.05) meets >= 0.95 | 1.11 (1.11-1.11) | 1.1 (1.1-1.1) meets <= 1.2 | 0.9 (0.9-0.95) |"
+        in text
+    )
 
 
 def test_control_plane_rows_pair_shoal_with_bare_ray_train_per_repetition():
