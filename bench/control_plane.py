@@ -4,8 +4,9 @@ A tiny GPT (so that the step is mostly coordination: gradient all-reduce, shoal'
 stats all-reduce and its reports, Ray Train's own machinery) trains on a simulated
 multi-node cluster (`ray.cluster_utils.Cluster`: a head with no CPUs, the driver's side,
 and two worker nodes sharing the workers) at 2, 4 and 8 workers. Each repetition runs the
-bare Ray Train script (bench/ray_train_bare.py) and `shoal run` on the same cluster, order
-alternated; the ratios are paired within a repetition.
+bare Ray Train script (bench/ray_train_bare.py), `shoal run`, and `shoal run` with the bare
+script's optimizer kernel on the same cluster, order rotated; the ratios are paired within a
+repetition.
 
 Steady step time: the median after warm-up of the intervals between one step's end and the
 next's, as rank 0 clocks them (bare: `time.time()` at each step end; shoal: its
@@ -85,7 +86,7 @@ def bare(address: str, workers: int, steps: int, workdir: Path) -> dict[str, Any
     return {"step_s": steady_step_s(result["step_ends"]), "first_step_s": result["first_step_s"]}
 
 
-def shoal(address: str, workers: int, steps: int, workdir: Path) -> dict[str, Any]:
+def shoal(address: str, workers: int, steps: int, workdir: Path, kernel: str = "auto") -> dict[str, Any]:
     name = f"cp-{workers}-{time.time_ns()}"
     command = [str(BIN / "shoal"), "run", str(REPO / "bench" / "gpt_bench.yaml"), "--address", address]
     command += ["--run-name", name]
@@ -96,6 +97,7 @@ def shoal(address: str, workers: int, steps: int, workdir: Path) -> dict[str, An
         "scaling.threads_per_worker": 1,  # as Ray gives bare's workers (OMP_NUM_THREADS = 1 CPU)
         "train.max_steps": steps,
         "tracking.log_model": "false",
+        "train.optimizer.implementation": kernel,
     }
     for key, value in settings.items():
         command += ["--set", f"{key}={value}"]
@@ -124,6 +126,15 @@ def shoal_metrics(workdir: Path, name: str, started: float, steps: int) -> dict[
     }
 
 
+def shoal_for_loop(address: str, workers: int, steps: int, workdir: Path) -> dict[str, Any]:
+    """shoal with the optimizer kernel the bare script runs (torch's default for-loop AdamW on
+    CPU; shoal's default is the fused one): shoal's own cost, the kernel aside."""
+    return shoal(address, workers, steps, workdir, kernel="for-loop")
+
+
+CONTENDERS = [("bare", bare), ("shoal", shoal), ("shoal-for-loop", shoal_for_loop)]
+
+
 def _run(command: list[str], workdir: Path) -> float:
     started = time.time()
     env = {**os.environ, "PYTHONPATH": str(REPO), "BENCH_START": repr(started)}
@@ -149,8 +160,7 @@ def measure(repeats: int, steps: dict[int, int], sizes: tuple[int, ...]) -> dict
             for workers in sizes:
                 with simulated_cluster(workers) as address:
                     pair = {}
-                    order = [("bare", bare), ("shoal", shoal)]
-                    for name, contender in order if repeat % 2 == 0 else order[::-1]:
+                    for name, contender in CONTENDERS[repeat % 3 :] + CONTENDERS[: repeat % 3]:
                         pair[name] = contender(address, workers, steps[workers], Path(tmp))
                         print(f"r{repeat} {workers} workers {name}: {pair[name]}", flush=True)
                 results["runs"].setdefault(str(workers), []).append(pair)
