@@ -277,7 +277,18 @@ def test_fused_sgd_on_sharded_parameters_is_refused_before_launch(tmp_path: Path
     sgd_fused = ["train.optimizer.name=sgd", "train.optimizer.implementation=fused"]
     assert errors_of(path, [*sgd_fused, "parallel.strategy=fsdp"]) == [
         "--set train.optimizer.implementation=fused train.optimizer.implementation: torch has no fused "
-        "SGD for sharded parameters (fsdp or tp: dp_shard=2, tp=1); use auto or foreach"
+        "SGD for sharded parameters (dp_shard=2 shards them); use auto or foreach"
     ]
     assert load(path, sgd_fused).workload.train.optimizer.implementation == "fused"  # ddp: plain tensors
     assert load(path, ["train.optimizer.implementation=foreach", "parallel.strategy=fsdp"])
+
+
+@pytest.mark.parametrize("kernel", ["fused", "foreach"])
+def test_a_multi_tensor_kernel_with_tp_is_refused_before_launch(kernel: str) -> None:
+    overrides = [f"train.optimizer.implementation={kernel}", "parallel.strategy=tp"]
+    errors = errors_of(WORKLOADS / "gpt_pytext.yaml", overrides)
+    assert (
+        f"--set train.optimizer.implementation={kernel} train.optimizer.implementation: {kernel} steps every "
+        "parameter of a group in one call, and with tp=2 the tp-split layers and the rest sit on different "
+        "device meshes (or none); use auto or for-loop"
+    ) in errors, errors

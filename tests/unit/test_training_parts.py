@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import json
+import os
 import random
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from shoal.models import build_model
 from shoal.spec.schema import OptimizerSpec, ScheduleSpec, TrainSpec, Workload
 from shoal.worker.batching import accumulation_steps, global_batch_size, planned_steps
 from shoal.worker.checkpoint import format as checkpoint
 from shoal.worker.optim import build_optimizer, build_scheduler, lr_multiplier
+from tests.unit.parallel_harness import free_port
 
 SCHEDULE = ScheduleSpec(warmup_steps=10, decay="cosine", min_lr_ratio=0.1)
 OPTIMIZER = OptimizerSpec(name="adamw", lr=1e-2, weight_decay=0.1, betas=(0.9, 0.99), momentum=0.9)
@@ -144,6 +149,48 @@ def test_auto_picks_the_fused_kernel_and_each_choice_is_what_torch_is_asked_for(
     }
     assert chosen["fused"] == {(True, False)} and chosen["foreach"] == {(False, True)}
     assert chosen["for-loop"] == {(False, False)}
+
+
+def test_sparse_gradients_keep_torchs_default_kernel() -> None:
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 2))
+    optimizer = build_optimizer(model, OPTIMIZER.model_copy(update={"name": "sgd", "weight_decay": 0.0}))
+    assert _kernels(optimizer) == {(False, False)}
+    model(torch.tensor([1, 2])).sum().backward()
+    optimizer.step()  # torch's fused SGD would refuse the embedding's sparse gradient
+
+
+def _tp_split_layer(rank: int, port: int, out: Path) -> None:
+    """One rank: a Linear split for tp (its weight a DTensor) before a plain one."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=1)
+    mesh = init_device_mesh("cpu", (1,))
+    steps = {}
+    for choice in ("auto", "fused", "foreach"):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        parallelize_module(model, mesh, {"0": ColwiseParallel(use_local_output=True)})
+        optimizer = build_optimizer(model, OPTIMIZER.model_copy(update={"implementation": choice}))
+        model(torch.randn(3, 4)).sum().backward()
+        try:
+            optimizer.step()
+            steps[choice] = sorted(_kernels(optimizer))
+        except Exception as exc:  # what a kernel of one tensor kind per call says
+            steps[choice] = f"{type(exc).__name__}: {exc}"[:200]
+    (out / "steps.json").write_text(json.dumps(steps))
+    dist.destroy_process_group()
+
+
+def test_tp_split_parameters_step_with_the_for_loop_under_auto(tmp_path: Path) -> None:
+    """With tp, split layers are DTensors and the rest plain tensors: torch's fused and
+    foreach kernels take one kind per call, so `auto` takes the for-loop (refused before
+    launch when fused or foreach is asked for: test_spec.py)."""
+    mp.start_processes(_tp_split_layer, args=(free_port(), tmp_path), nprocs=1, join=True)
+    steps = json.loads((tmp_path / "steps.json").read_text())
+    assert steps["auto"] == [[False, False]]
+    assert "mixed torch.Tensor and DTensor" in steps["fused"], steps
+    assert "mixed torch.Tensor and DTensor" in steps["foreach"], steps
 
 
 def test_the_fused_kernel_trains_as_torchs_default_does() -> None:

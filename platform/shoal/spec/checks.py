@@ -9,12 +9,13 @@ from __future__ import annotations
 import inspect
 import json
 import os
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from shoal.data.builtin import cache_dir, read_manifest
 from shoal.data.sources import DataPlan, training_manifest, window_length
-from shoal.degrees import DegreeError, Degrees
+from shoal.degrees import DegreeError, Degrees, show_degrees
 from shoal.messages import VAL_PREFIX, Metric
 from shoal.models import ModelError, ParallelModel, check_args, model_class, model_task
 from shoal.models.registry import hf_models, import_loss
@@ -150,15 +151,24 @@ def check_parallel(workload: Workload, source: Source, task: str | None) -> list
 
 
 def _optimizer_problems(workload: Workload, source: Source, resolved: list[Degrees]) -> list[SpecIssue]:
-    optimizer = workload.train.optimizer
-    sharded = [d for d in resolved if d.uses_fsdp or d.tp > 1]
-    if optimizer.name != "sgd" or optimizer.implementation != "fused" or not sharded:
-        return []
-    message = (
-        "torch has no fused SGD for sharded parameters (fsdp or tp: "
-        f"dp_shard={sharded[0].dp_shard}, tp={sharded[0].tp}); use auto or foreach"
-    )
-    return [_issue(source, "train.optimizer.implementation", message)]
+    """Kernels torch cannot run on the parameters these degrees make (worker/optim.py)."""
+    optimizer, path = workload.train.optimizer, "train.optimizer.implementation"
+    split = [d for d in resolved if d.tp > 1]
+    if optimizer.implementation in ("fused", "foreach") and split:
+        message = (
+            f"{optimizer.implementation} steps every parameter of a group in one call, and with "
+            f"{show_degrees(asdict(split[0]))} the tp-split layers and the rest sit on different "
+            "device meshes (or none); use auto or for-loop"
+        )
+        return [_issue(source, path, message)]
+    sharded = [d for d in resolved if d.uses_fsdp]
+    if optimizer.name == "sgd" and optimizer.implementation == "fused" and sharded:
+        message = (
+            "torch has no fused SGD for sharded parameters "
+            f"({show_degrees(asdict(sharded[0]))} shards them); use auto or foreach"
+        )
+        return [_issue(source, path, message)]
+    return []
 
 
 def _split_problems(workload: Workload, resolved: list[Degrees]) -> list[tuple[str, str]]:

@@ -31,8 +31,10 @@ def split64(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """float64 values (on CPU) as [rounded to `dtype`, what rounding lost], concatenated; in
     numpy, where these few small operations cost a fifth of torch's dispatch."""
     exact = values.numpy()
-    high = exact.astype(NUMPY_DTYPES[dtype])
-    with np.errstate(invalid="ignore"):  # inf - inf: the where below keeps inf as it is
+    # over: a finite stat beyond float32's range becomes inf, as torch's cast made it silently;
+    # invalid: inf - inf, where the `where` keeps inf as it is
+    with np.errstate(over="ignore", invalid="ignore"):
+        high = exact.astype(NUMPY_DTYPES[dtype])
         lost = np.where(np.isfinite(high), exact - high, 0.0).astype(high.dtype)
     return torch.from_numpy(np.concatenate([high, lost]))
 
