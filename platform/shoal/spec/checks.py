@@ -144,10 +144,10 @@ def check_parallel(workload: Workload, source: Source, task: str | None) -> list
             issues.append(_issue(source, "parallel", f"{exc} (scaling.workers: {world})"))
     if issues:
         return issues
-    issues += _optimizer_problems(workload, source, resolved)
+    kernel = _optimizer_problems(workload, source, resolved)
     if task is None:
-        return issues
-    return issues + [_issue(source, path, message) for path, message in _split_problems(workload, resolved)]
+        return kernel
+    return kernel + [_issue(source, path, message) for path, message in _split_problems(workload, resolved)]
 
 
 def _optimizer_problems(workload: Workload, source: Source, resolved: list[Degrees]) -> list[SpecIssue]:

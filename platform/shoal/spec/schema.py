@@ -120,8 +120,8 @@ class OptimizerSpec(Section):
     weight_decay: float = Field(0.0, ge=0, le=100)
     momentum: float = Field(0.9, ge=0, lt=1)
     betas: FloatPair = (0.9, 0.999)
-    # torch's kernel for the update. auto: fused where torch has one for the parameters (AdamW
-    # always, SGD on unsharded ones), else torch's default; for-loop is torch's default on CPU.
+    # torch's kernel for the update (worker/optim.py). auto: fused where it fits the parameters,
+    # the for-loop where they sit on more than one device mesh (tp), else torch's default.
     implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"
 
     @field_validator("betas")

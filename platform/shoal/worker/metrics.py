@@ -84,19 +84,32 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
+class Every:
+    """`due()` is true at most once per `seconds` (at the first call, and then whenever that
+    long has passed since it last was): for readings that need not be taken every step."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.last = seconds, -float("inf")
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now - self.last < self.seconds:
+            return False
+        self.last = now
+        return True
+
+
 class PeakMemory:
     """`peak_memory_mb`, read at most once per `every_s` on CPU: getrusage sums over every
     thread of the process, and with gloo's threads running on the other cores it took ~40 us
     a call in a 2-rank run here (1 us in a quiet process), ~1% of a small model's step."""
 
     def __init__(self, device: torch.device, every_s: float = 1.0):
-        self.device, self.every_s = device, every_s
-        self.read_at, self.last = -float("inf"), 0.0
+        self.device, self.every, self.last = device, Every(every_s), 0.0
 
     def read(self) -> float:
-        if self.device.type == "cpu" and time.monotonic() - self.read_at < self.every_s:
-            return self.last
-        self.read_at, self.last = time.monotonic(), peak_memory_mb(self.device)
+        if self.device.type != "cpu" or self.every.due():
+            self.last = peak_memory_mb(self.device)
         return self.last
 
 
@@ -110,7 +123,7 @@ class GpuReadings:
 
     def __init__(self, device: torch.device, every_s: float = 1.0):
         self.handle = None
-        self.every_s, self.read_at, self.last = every_s, -float("inf"), {}
+        self.every, self.last = Every(every_s), {}
         if device.type != "cuda":
             return
         try:
@@ -129,9 +142,8 @@ class GpuReadings:
         return self.handle is not None
 
     def read(self) -> dict[str, float]:
-        if self.handle is None or time.monotonic() - self.read_at < self.every_s:
+        if self.handle is None or not self.every.due():
             return self.last
-        self.read_at = time.monotonic()
         nvml, handle = self.nvml, self.handle
         self.last = {
             GpuReading.UTILIZATION_PCT: float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu),

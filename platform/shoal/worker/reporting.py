@@ -103,11 +103,13 @@ class StepStats:
         due = self.rank == 0 and time.monotonic() - self.last_report >= self.interval_s
         header = [local_loss * weight, weight, 1.0 if due else 0.0, 1.0 if written else 0.0, float(changed)]
         header += [metrics.get(name, 0.0) * weight for name in names]
-        values = torch.from_numpy(self._with_per_rank_slots(header, per_rank or {}))
+        per_rank = per_rank or {}
+        per_rank_names = sorted(per_rank)
+        values = torch.from_numpy(self._with_per_rank_slots(header, per_rank, per_rank_names))
         work = None
         if self.world_size > 1:
             work = ride.carry(values) if ride else dist.all_reduce(values, async_op=True)
-        return SharedStats(values, work, sorted(per_rank or {}))
+        return SharedStats(values, work, per_rank_names)
 
     def finish(self, shared: SharedStats) -> Reduced:
         if shared.work is not None:
@@ -129,12 +131,14 @@ class StepStats:
             dict(zip(names, averaged, strict=True)),
         )
 
-    def _with_per_rank_slots(self, header: list[float], per_rank: dict[str, float]) -> np.ndarray:
-        """The header, then one slot per rank for each per-rank value (sorted by name), this
+    def _with_per_rank_slots(
+        self, header: list[float], per_rank: dict[str, float], names: list[str]
+    ) -> np.ndarray:
+        """The header, then one slot per rank for each per-rank value (in `names`' order), this
         rank's filled: built in numpy, a tenth of the cost of setting tensor elements one by one."""
-        values = np.zeros(len(header) + len(per_rank) * self.world_size)
+        values = np.zeros(len(header) + len(names) * self.world_size)
         values[: len(header)] = header
-        for index, name in enumerate(sorted(per_rank)):
+        for index, name in enumerate(names):
             values[len(header) + index * self.world_size + self.rank] = per_rank[name]
         return values
 
