@@ -350,6 +350,7 @@ class MessageType(StrEnum):
     REPORT = "report"
     FAILURE = "failure"
     STOP = "shoal.stop"  # put by the driver itself: ends the Drainer
+    CONTROLLER = "controller"
 
 
 @dataclass
@@ -427,11 +428,27 @@ class StopMessage:
         return cls()
 
 
-QueueMessage = ReportMessage | FailureMessage | StopMessage
-_MESSAGE_CLASSES: dict[MessageType, type[ReportMessage] | type[FailureMessage] | type[StopMessage]] = {
+@dataclass
+class ControllerMessage:
+    """The TrainController actor's handle, sent before its first report: a driver told to stop
+    aborts training with it (as Ray's own Ctrl-C does), so nothing trains after the run ends."""
+
+    handle: Any
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": MessageType.CONTROLLER.value, "handle": self.handle}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ControllerMessage:
+        return cls(data["handle"])
+
+
+QueueMessage = ReportMessage | FailureMessage | StopMessage | ControllerMessage
+_MESSAGE_CLASSES: dict[MessageType, type[QueueMessage]] = {
     MessageType.REPORT: ReportMessage,
     MessageType.FAILURE: FailureMessage,
     MessageType.STOP: StopMessage,
+    MessageType.CONTROLLER: ControllerMessage,
 }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -33,6 +34,12 @@ def registered(run_dir: Path, checkpoint: str) -> bool:
         return checkpoint in (run_dir / "checkpoint_manager_snapshot.json").read_text()
     except OSError:
         return False
+
+
+def registered_steps(run_dir: Path) -> list[int]:
+    """The steps of the checkpoints in Ray Train's record of this run, in order."""
+    snapshot = (run_dir / "checkpoint_manager_snapshot.json").read_text()
+    return sorted({int(step) for step in re.findall(r"checkpoint-(\d{8})", snapshot)})
 
 
 def worker_pid(run_dir: Path, rank: int) -> int:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from shoal.messages import (
+    ControllerMessage,
     Event,
     EventKind,
     FailureMessage,
@@ -150,7 +151,29 @@ def test_a_sigterm_while_training_is_named_as_the_reason() -> None:
             os.kill(os.getpid(), signal.SIGTERM)  # as scancel or `kill` would
             time.sleep(10)
 
+    before = signal.getsignal(signal.SIGTERM)  # Python's default, or Ray's where Ray started here
     with pytest.raises(Interrupted) as caught:
         fit_interruptibly(SignalledTrainer())
     assert caught.value.reason == "stopped by SIGTERM"
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler was put back
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler was put back
+
+
+def test_the_controllers_handle_is_kept_for_a_stop_not_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Controller:
+        class abort:  # noqa: N801 - an actor method: `handle.abort.remote()`
+            @staticmethod
+            def remote() -> str:
+                return "abort-ref"
+
+    waited: list[tuple[Any, float]] = []
+    monkeypatch.setattr("ray.get", lambda ref, timeout: waited.append((ref, timeout)))
+    reports, recorder = ListQueue(), FakeRecorder()
+    drainer = Drainer(reports, recorder)  # type: ignore[arg-type]
+    drainer.stop_training()  # before the first report there is nothing to abort
+    drainer.start()
+    reports.put(ControllerMessage(Controller()).to_dict())
+    reports.put(_report(1).to_dict())
+    drainer.finish()
+    assert isinstance(drainer.controller, Controller) and [m.summary.step for m in recorder.handled] == [1]
+    drainer.stop_training()
+    assert waited == [("abort-ref", drain.ABORT_TIMEOUT_S)]

@@ -81,3 +81,22 @@ def test_a_checkpoint_record_cut_short_is_set_aside_and_the_newest_checkpoint_na
     assert not record.exists() and (run / f"{RAY_CHECKPOINT_RECORD}.unreadable").exists()
     record.write_bytes(b'{"name": "\xe2\x82')  # cut inside a character
     assert storage.set_aside_unreadable_record("r") == f"{run}/checkpoint-00000060"
+
+
+def test_a_lost_record_resumes_from_the_newest_checkpoint_that_leaves_mlflow_no_gap(tmp_path: Path) -> None:
+    """Each checkpoint carries the steps since the one before it; a run whose MLflow has steps
+    up to 23 resumes from 40 (steps 21-40 travel with it), not from 60 (41-60 only)."""
+    storage, run = open_storage(str(tmp_path)), tmp_path / "r"
+    for step in (20, 40, 60):
+        (run / f"checkpoint-{step:08d}").mkdir(parents=True)
+        recent = {"steps": [{"step": s, "time": 0.0} for s in range(step - 19, step + 1)], "evals": []}
+        state = {"position": {"step": step}, "recent": recent}
+        (run / f"checkpoint-{step:08d}" / "trainer_state.json").write_text(json.dumps(state))
+    (run / "checkpoint-00000080").mkdir()  # the full disk stopped it before its trainer state
+    assert storage.newest_logged_through("r", logged_until=23) == f"{run}/checkpoint-00000040"
+    assert storage.newest_logged_through("r", logged_until=40) == f"{run}/checkpoint-00000060"
+    assert storage.newest_logged_through("r", logged_until=60) == f"{run}/checkpoint-00000060"
+    assert storage.newest_logged_through("r", logged_until=5) == f"{run}/checkpoint-00000020"
+    (run / "checkpoint-00000020" / "trainer_state.json").write_text('{"position": {"st')
+    assert storage.newest_logged_through("r", logged_until=5) == f"{run}/checkpoint-00000040"
+    assert storage.newest_logged_through("s", logged_until=5) is None

@@ -306,6 +306,8 @@ def run(
                 tracked.run_id,
                 tracked.taken_over_from,
             )
+        if own_latest:  # a newer checkpoint than MLflow has steps for would leave a gap
+            own_latest = storage.newest_logged_through(run_name, tracked.logged_until) or own_latest
         if loaded.data and loaded.data.text and (run_dir / "tokenizer").is_dir():
             tracked.log_artifact(str(run_dir / "tokenizer"), "tokenizer")
         recorder = Recorder(tracked, observer, run_dir, tensorboard=w.monitor.tensorboard)
@@ -335,6 +337,7 @@ def run(
         except TrainingFailedError as exc:
             result.reason = storage_hint(failure_reason(exc), storage)
         except KeyboardInterrupt as exc:
+            drainer.stop_training()
             result.status = "KILLED"
             result.reason = exc.reason if isinstance(exc, Interrupted) else "interrupted (Ctrl-C)"
         finally:

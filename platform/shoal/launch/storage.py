@@ -17,7 +17,7 @@ import pyarrow.fs as pafs
 
 from shoal.errors import ShoalError
 from shoal.redact import redact
-from shoal.worker.checkpoint.format import checkpoint_steps
+from shoal.worker.checkpoint.format import TRAINER_STATE, checkpoint_steps
 
 LOCAL_RUNS = "./shoal_runs"
 # Ray Train 2.60's record of a run's checkpoints, rewritten in place at each one: a disk that
@@ -64,6 +64,25 @@ class Storage:
             self.filesystem.move(path, f"{path}.unreadable")
         names = self.checkpoints(run_name)
         return f"{self.run_uri(run_name)}/{names[-1]}" if names else None
+
+    def newest_logged_through(self, run_name: str, logged_until: int) -> str | None:
+        """The newest checkpoint after which MLflow misses no step, for a run whose record Ray
+        Train lost: each checkpoint carries only the steps since the one before it (its
+        trainer state's `recent`), so a newer one whose first such step is past the last
+        logged one would leave a gap. Without one, the oldest readable (the smallest gap)."""
+        names, readable = self.checkpoints(run_name), []
+        for name in reversed(names):
+            try:
+                state = self.read_json(f"{self.run_path(run_name)}/{name}/{TRAINER_STATE}")
+            except (OSError, ValueError):  # cut short: the workers would pass it over too
+                continue
+            if state is None:
+                continue
+            readable.append(name)
+            carried = [record["step"] for record in state.get("recent", {}).get("steps", [])]
+            if min(carried, default=state["position"]["step"]) <= logged_until + 1:
+                return f"{self.run_uri(run_name)}/{name}"
+        return f"{self.run_uri(run_name)}/{readable[-1]}" if readable else None
 
     def read_json(self, path: str) -> Any:
         if self.filesystem.get_file_info(path).type != pafs.FileType.File:

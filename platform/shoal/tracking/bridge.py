@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import ray
 from ray.train import UserCallback
 
-from shoal.messages import FailureMessage, ReportMessage
+from shoal.messages import ControllerMessage, FailureMessage, ReportMessage
 
 
 def _checkpoint_path(checkpoint: Any) -> str | None:
@@ -23,8 +24,12 @@ def _checkpoint_path(checkpoint: Any) -> str | None:
 class ForwardingCallback(UserCallback):
     def __init__(self, queue: Any):
         self.queue = queue
+        self.announced = False
 
     def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
+        if not self.announced:  # UserCallback has no earlier hook that runs in the controller
+            self.queue.put(ControllerMessage(ray.get_runtime_context().current_actor).to_dict())
+            self.announced = True
         message = ReportMessage.from_ranks(metrics, _checkpoint_path(checkpoint))
         self.queue.put(message.to_dict())
 

@@ -8,11 +8,12 @@ import queue
 import threading
 from typing import Any, Protocol
 
-from shoal.messages import ReportMessage, StopMessage, message_from_dict
+from shoal.messages import ControllerMessage, ReportMessage, StopMessage, message_from_dict
 from shoal.tracking.mlflow_run import RETRY_EVERY_S
 from shoal.tracking.recorder import Recorder
 
 log = logging.getLogger("shoal")
+ABORT_TIMEOUT_S = 60.0
 
 
 class ReportQueue(Protocol):
@@ -38,6 +39,7 @@ class Drainer(threading.Thread):
         self.queue, self.recorder, self.keeper = queue, recorder, keeper
         self.stopping = threading.Event()
         self.errors = 0
+        self.controller: Any = None  # Ray Train's controller actor, once its first report came
 
     def run(self) -> None:
         while not self.stopping.is_set():
@@ -57,12 +59,28 @@ class Drainer(threading.Thread):
             message = message_from_dict(data)
             if isinstance(message, StopMessage):
                 return
+            if isinstance(message, ControllerMessage):
+                self.controller = message.handle
+                return
             self.recorder.handle(message)
             if self.keeper and isinstance(message, ReportMessage) and message.checkpoint:
                 self.keeper.offer(message.checkpoint, message.summary.step, message.summary.score)
         except Exception:  # tracking trouble must not stop training
             self.errors += 1
             log.exception("could not record a report in MLflow")
+
+    def stop_training(self) -> None:
+        """Abort the controller and its workers, as Ray's own Ctrl-C handler does: nothing
+        trains or checkpoints after the driver has decided how the run ends, and every
+        report the controller sent before its end is in the queue for `finish`."""
+        if self.controller is None:  # no report yet: the workers end with this driver
+            return
+        import ray  # deferred: tests drive a Drainer without Ray
+
+        try:
+            ray.get(self.controller.abort.remote(), timeout=ABORT_TIMEOUT_S)
+        except Exception as exc:  # abort ends the controller's process, so its call fails
+            log.debug("controller aborted: %s", type(exc).__name__)
 
     def finish(self) -> None:
         """Record everything reported so far, then stop."""
