@@ -20,6 +20,26 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from shoal.data.epoch_plan import EpochPlan, plan_for
 from shoal.data.manifest import build_manifest
 
+# `model.target: slow_model:Slow` once written to the workdir as slow_model.py: at least 50 ms a
+# step whatever the CPU, for tests that need a run to last (a server outage under it, the first
+# steps logged well before a checkpoint)
+SLOW_MODEL = """
+import time
+import torch
+
+class Slow(torch.nn.Module):
+    task = "classify"
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(64, 10)
+
+    def forward(self, x):
+        if x.device.type != "meta":
+            time.sleep(0.05)
+        return self.body(x)
+"""
+
 
 def wait_for(predicate, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s

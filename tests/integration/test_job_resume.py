@@ -14,18 +14,30 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from shoal.worker.checkpoint import format as checkpoint_format
-from tests.conftest import WORKLOADS, quickstart
+from tests.conftest import WORKLOADS, quickstart, write_workload
 from tests.integration.conftest import run_workload
-from tests.integration.helpers import events, loss_steps, registered, registered_steps, shoal_cli, wait_for
+from tests.integration.helpers import (
+    SLOW_MODEL,
+    events,
+    loss_steps,
+    registered,
+    registered_steps,
+    shoal_cli,
+    wait_for,
+)
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 
 
 def run_and_stop_driver(
-    args: list[str], cwd: Path, run_dir: Path, checkpoint_name: str, sig: int
+    args: list[str], cwd: Path, run_dir: Path, checkpoint_name: str, sig: int, ready=lambda: True
 ) -> tuple[int, str, str]:
     driver = shoal_cli(args, cwd)
-    wait_for(lambda: registered(run_dir, checkpoint_name) or driver.poll() is not None, 300, checkpoint_name)
+    wait_for(
+        lambda: (registered(run_dir, checkpoint_name) and ready()) or driver.poll() is not None,
+        300,
+        checkpoint_name,
+    )
     assert driver.poll() is None, "the run ended before it could be stopped"
     driver.send_signal(sig)
     out, err = driver.communicate(timeout=120)
@@ -49,7 +61,17 @@ def test_ctrl_c_and_killed_driver_resume_into_the_same_mlflow_run(workdir: Path,
 
     # The same command resumes from the latest checkpoint; this time the driver is SIGKILLed:
     # no handler runs, so MLflow still says RUNNING.
-    run_and_stop_driver(args, workdir, run_dir, f"checkpoint-{stopped_at + 50:08d}", signal.SIGKILL)
+    # SIGKILLed once MLflow has the steps up to that checkpoint: a resume from it then leaves
+    # no gap, whichever later checkpoint Ray registers before it ends the driver's actors
+    target = stopped_at + 50
+    run_and_stop_driver(
+        args,
+        workdir,
+        run_dir,
+        f"checkpoint-{target:08d}",
+        signal.SIGKILL,
+        ready=lambda: max(loss_steps(client, run.info.run_id)) >= target,
+    )
     (orphan,) = client.search_runs([client.get_experiment_by_name("quickstart").experiment_id])
     assert orphan.info.run_id == run.info.run_id and orphan.info.status == "RUNNING"
 
@@ -84,12 +106,14 @@ def test_a_driver_killed_before_its_first_checkpoint_leaves_no_run_running(
 ) -> None:
     """SIGKILL before any checkpoint, then the same command again: it takes the RUNNING
     MLflow run over, trains from step 0 and finishes it, each step logged once."""
-    spec = str(WORKLOADS / "quickstart.yaml")
+    # At least 50 ms a step whatever the CPU: the first steps reach MLflow (reports go every
+    # 3 s, Ray's controller polls every 2) long before step 300's checkpoint, 15 s or more in.
+    (workdir / "slow_model.py").write_text(SLOW_MODEL)
+    data = quickstart()
+    data["model"] = {"target": "slow_model:Slow"}
+    spec = str(write_workload(workdir, data))
     args = ["run", spec, "--address", ray_cluster, "--run-name", "early", "--set", "train.max_steps=300"]
     args += ["--set", "checkpoint.every_steps=300", "--set", "train.eval_every=1000"]
-    # a wider CNN (about 50 ms a step, not 6): the first steps reach MLflow (reports go every
-    # 3 s) long before step 300's checkpoint, however fast this machine is
-    args += ["--set", "model.args.channels=128"]
     client = MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
 
     def logged() -> list:

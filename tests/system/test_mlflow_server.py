@@ -13,26 +13,10 @@ from pathlib import Path
 from mlflow.tracking import MlflowClient
 
 from tests.conftest import write_workload
-from tests.integration.helpers import shoal_cli, wait_for
+from tests.integration.helpers import SLOW_MODEL, shoal_cli, wait_for
 from tests.system.conftest import MlflowServer
 
 STEPS = 150
-SLOW_MODEL = """
-import time
-import torch
-
-class Slow(torch.nn.Module):
-    task = "classify"
-
-    def __init__(self):
-        super().__init__()
-        self.body = torch.nn.Linear(64, 10)
-
-    def forward(self, x):
-        if x.device.type != "meta":
-            time.sleep(0.05)  # long enough a run for the server to die and come back under it
-        return self.body(x)
-"""
 
 
 def test_server_outage_is_buffered_and_runs_are_browsable(workdir: Path, mlflow_server: MlflowServer) -> None:

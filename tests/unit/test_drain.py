@@ -158,13 +158,16 @@ def test_a_sigterm_while_training_is_named_as_the_reason() -> None:
     assert signal.getsignal(signal.SIGTERM) is before  # the handler was put back
 
 
-def test_the_controllers_handle_is_kept_for_a_stop_not_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
-    class Controller:
-        class abort:  # noqa: N801 - an actor method: `handle.abort.remote()`
-            @staticmethod
-            def remote() -> str:
-                return "abort-ref"
+class Controller:
+    """Stands for the TrainController's actor handle."""
 
+    class abort:  # noqa: N801 - an actor method: `handle.abort.remote()`
+        @staticmethod
+        def remote() -> str:
+            return "abort-ref"
+
+
+def test_the_controllers_handle_is_kept_for_a_stop_not_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
     waited: list[tuple[Any, float]] = []
     monkeypatch.setattr("ray.get", lambda ref, timeout: waited.append((ref, timeout)))
     reports, recorder = ListQueue(), FakeRecorder()
@@ -176,4 +179,22 @@ def test_the_controllers_handle_is_kept_for_a_stop_not_recorded(monkeypatch: pyt
     drainer.finish()
     assert isinstance(drainer.controller, Controller) and [m.summary.step for m in recorder.handled] == [1]
     drainer.stop_training()
+    drainer.stop_training()  # once aborted, never again
     assert waited == [("abort-ref", drain.ABORT_TIMEOUT_S)]
+
+
+def test_a_controller_that_does_not_abort_in_time_is_said(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import ray
+
+    def too_late(ref: Any, timeout: float) -> None:
+        raise ray.exceptions.GetTimeoutError("no answer")
+
+    monkeypatch.setattr("ray.get", too_late)
+    drainer = Drainer(ListQueue(), FakeRecorder())  # type: ignore[arg-type]
+    drainer.controller = type(
+        "Controller", (), {"abort": type("abort", (), {"remote": staticmethod(lambda: 1)})}
+    )
+    drainer.stop_training()
+    assert "did not abort in 10 s: workers may train on" in caplog.text

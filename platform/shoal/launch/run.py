@@ -171,7 +171,7 @@ def _trainer(
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    from shoal.tracking.bridge import ForwardingCallback
+    from shoal.tracking.bridge import ControllerAnnouncer, ForwardingCallback
     from shoal.worker.loop import train
 
     w = loaded.workload
@@ -187,7 +187,7 @@ def _trainer(
         storage_filesystem=storage.filesystem,
         failure_config=ray.train.FailureConfig(max_failures=w.failure.max_restarts),
         checkpoint_config=ray.train.CheckpointConfig(num_to_keep=w.checkpoint.keep),
-        callbacks=[ForwardingCallback(queue)],
+        callbacks=[ForwardingCallback(queue), ControllerAnnouncer(queue)],
         worker_runtime_env=None if local else {"env_vars": dict(QUIET_ENV)},
     )
     return TorchTrainer(
@@ -269,7 +269,8 @@ def run(
     if own_latest := storage.set_aside_unreadable_record(run_name):
         log.warning(
             "Ray Train's record of the checkpoints in %s was cut short (a full disk?); it is set "
-            "aside and the run resumes from the newest intact checkpoint there",
+            "aside and the run resumes from the newest intact checkpoint there that MLflow has "
+            "every step up to",
             storage.run_uri(run_name),
         )
     loaded = replace(loaded, data=keep_run_tokenizer(loaded.data, run_dir, log.info))  # raw text
@@ -306,8 +307,8 @@ def run(
                 tracked.run_id,
                 tracked.taken_over_from,
             )
-        if own_latest:  # a newer checkpoint than MLflow has steps for would leave a gap
-            own_latest = storage.newest_logged_through(run_name, tracked.logged_until) or own_latest
+        if own_latest and tracked.resumed:  # a newer checkpoint than MLflow has steps for leaves a gap
+            own_latest = _without_gap(storage, run_name, tracked.logged_until) or own_latest
         if loaded.data and loaded.data.text and (run_dir / "tokenizer").is_dir():
             tracked.log_artifact(str(run_dir / "tokenizer"), "tokenizer")
         recorder = Recorder(tracked, observer, run_dir, tensorboard=w.monitor.tensorboard)
@@ -329,6 +330,7 @@ def run(
             )
             drainer.start()
             fit_interruptibly(trainer)
+            drainer.forget_controller()
             result.status = "FAILED" if recorder.state.fatal else "FINISHED"
             result.reason = recorder.state.fatal
             if result.ok and w.tracking.log_model:
@@ -337,12 +339,24 @@ def run(
         except TrainingFailedError as exc:
             result.reason = storage_hint(failure_reason(exc), storage)
         except KeyboardInterrupt as exc:
-            drainer.stop_training()
             result.status = "KILLED"
             result.reason = exc.reason if isinstance(exc, Interrupted) else "interrupted (Ctrl-C)"
+            drainer.stop_training()
         finally:
             _close_run(result, recorder, drainer, watch)
     return result
+
+
+def _without_gap(storage: Storage, run_name: str, logged_until: int) -> str | None:
+    chosen = storage.newest_logged_through(run_name, logged_until)
+    if chosen and chosen != f"{storage.run_uri(run_name)}/{storage.checkpoints(run_name)[-1]}":
+        log.warning(
+            "resuming from %s: MLflow has steps up to %d, and a newer checkpoint would leave "
+            "the steps between them unlogged; they are trained and logged again",
+            chosen,
+            logged_until,
+        )
+    return chosen
 
 
 def _close_run(result: RunResult, recorder: Recorder, drainer: Drainer, watch: DriverWatch | None) -> None:

@@ -70,19 +70,23 @@ class Storage:
         Train lost: each checkpoint carries only the steps since the one before it (its
         trainer state's `recent`), so a newer one whose first such step is past the last
         logged one would leave a gap. Without one, the oldest readable (the smallest gap)."""
-        names, readable = self.checkpoints(run_name), []
-        for name in reversed(names):
-            try:
-                state = self.read_json(f"{self.run_path(run_name)}/{name}/{TRAINER_STATE}")
-            except (OSError, ValueError):  # cut short: the workers would pass it over too
-                continue
-            if state is None:
+        readable = []
+        for name in reversed(self.checkpoints(run_name)):
+            first = self._first_carried_step(f"{self.run_path(run_name)}/{name}/{TRAINER_STATE}")
+            if first is None:  # cut short or foreign: the workers would pass it over too
                 continue
             readable.append(name)
-            carried = [record["step"] for record in state.get("recent", {}).get("steps", [])]
-            if min(carried, default=state["position"]["step"]) <= logged_until + 1:
+            if first <= logged_until + 1:
                 return f"{self.run_uri(run_name)}/{name}"
         return f"{self.run_uri(run_name)}/{readable[-1]}" if readable else None
+
+    def _first_carried_step(self, trainer_state: str) -> int | None:
+        try:
+            state = self.read_json(trainer_state)
+            carried = [record["step"] for record in state["recent"]["steps"]]
+            return min(carried, default=state["position"]["step"] + 1)
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
 
     def read_json(self, path: str) -> Any:
         if self.filesystem.get_file_info(path).type != pafs.FileType.File:

@@ -13,7 +13,7 @@ from shoal.tracking.mlflow_run import RETRY_EVERY_S
 from shoal.tracking.recorder import Recorder
 
 log = logging.getLogger("shoal")
-ABORT_TIMEOUT_S = 60.0
+ABORT_TIMEOUT_S = 10.0  # a launcher that stops the driver (Slurm, Ray Jobs) waits about 30 s
 
 
 class ReportQueue(Protocol):
@@ -70,17 +70,28 @@ class Drainer(threading.Thread):
             log.exception("could not record a report in MLflow")
 
     def stop_training(self) -> None:
-        """Abort the controller and its workers, as Ray's own Ctrl-C handler does: nothing
-        trains or checkpoints after the driver has decided how the run ends, and every
-        report the controller sent before its end is in the queue for `finish`."""
-        if self.controller is None:  # no report yet: the workers end with this driver
+        """Abort the controller and its workers, as Ray's own Ctrl-C handler does, so that
+        nothing trains after the driver has decided how the run ends; every report the
+        controller handled before is in the queue for `finish`. A second Ctrl-C stops the
+        wait, not the closing of the run."""
+        controller, self.controller = self.controller, None
+        if controller is None:  # its handle not read yet: the workers end with this driver
             return
         import ray  # deferred: tests drive a Drainer without Ray
 
+        log.info("stopping training (Ray Train's controller aborts its workers)")
         try:
-            ray.get(self.controller.abort.remote(), timeout=ABORT_TIMEOUT_S)
-        except Exception as exc:  # abort ends the controller's process, so its call fails
+            ray.get(controller.abort.remote(), timeout=ABORT_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            log.warning(
+                "Ray Train's controller did not abort in %.0f s: workers may train on", ABORT_TIMEOUT_S
+            )
+        except (Exception, KeyboardInterrupt) as exc:  # abort ends the controller, so the call fails
             log.debug("controller aborted: %s", type(exc).__name__)
+
+    def forget_controller(self) -> None:
+        """Training has ended: let the controller actor go."""
+        self.controller = None
 
     def finish(self) -> None:
         """Record everything reported so far, then stop."""
