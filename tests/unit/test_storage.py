@@ -81,6 +81,8 @@ def test_a_checkpoint_record_cut_short_is_set_aside_and_the_newest_checkpoint_na
     assert not record.exists() and (run / f"{RAY_CHECKPOINT_RECORD}.unreadable").exists()
     record.write_bytes(b'{"name": "\xe2\x82')  # cut inside a character
     assert storage.set_aside_unreadable_record("r") == f"{run}/checkpoint-00000060"
+    # the attempt after the set-aside failed before Ray wrote a record of its own: still the newest
+    assert not record.exists() and storage.set_aside_unreadable_record("r") == f"{run}/checkpoint-00000060"
 
 
 def test_a_lost_record_resumes_from_the_newest_checkpoint_that_leaves_mlflow_no_gap(tmp_path: Path) -> None:

@@ -55,13 +55,18 @@ class Storage:
     def set_aside_unreadable_record(self, run_name: str) -> str | None:
         """When Ray Train's record of this run's checkpoints cannot be read, move it aside
         (to `.unreadable`) and return the run's newest checkpoint: the workers restore that
-        one, or the newest intact one before it. None when the record is fine or absent."""
+        one, or the newest intact one before it. None when the record is fine, or absent from
+        a run that never had one set aside."""
         path = f"{self.run_path(run_name)}/{RAY_CHECKPOINT_RECORD}"
         try:
-            self.read_json(path)
-            return None
+            record = self.read_json(path)
         except ValueError:  # cut short (JSON), or cut inside a character (UTF-8)
             self.filesystem.move(path, f"{path}.unreadable")
+        else:
+            set_aside_before = self.filesystem.get_file_info(f"{path}.unreadable").type == pafs.FileType.File
+            if record is not None or not set_aside_before:  # sound, or a run with none yet
+                return None
+            # set aside by an earlier attempt that then committed no checkpoint of its own
         names = self.checkpoints(run_name)
         return f"{self.run_uri(run_name)}/{names[-1]}" if names else None
 
