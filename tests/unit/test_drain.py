@@ -11,16 +11,8 @@ from typing import Any
 
 import pytest
 
-from shoal.messages import (
-    ControllerMessage,
-    Event,
-    EventKind,
-    FailureMessage,
-    QueueMessage,
-    ReportMessage,
-    ReportSummary,
-    StepRecord,
-)
+from shoal.messages import Event, EventKind, ReportSummary, StepRecord
+from shoal.queue_messages import ControllerMessage, FailureMessage, QueueMessage, ReportMessage
 from shoal.tracking import drain
 from shoal.tracking.drain import Drainer
 

@@ -12,23 +12,20 @@ import pytest
 from shoal.messages import (
     Event,
     EventKind,
-    FailureMessage,
     GpuReading,
     LoopOutcome,
     Metric,
     ProfileTrace,
     RecentRecords,
-    ReportMessage,
     ReportSummary,
     StepRecord,
-    StopMessage,
     WorkerReport,
     WorkerValue,
     eval_metrics,
     gpu_metric,
-    message_from_dict,
     worker_metric,
 )
+from shoal.queue_messages import FailureMessage, ReportMessage, StopMessage, message_from_dict
 
 
 def _through_json(data: Any) -> Any:
@@ -60,7 +57,7 @@ def _trace(rank: int, **where: str) -> ProfileTrace:
 def test_the_module_needs_neither_torch_nor_ray() -> None:
     import subprocess
 
-    code = "import sys, shoal.messages; sys.exit(bool({'torch', 'ray'} & set(sys.modules)))"
+    code = "import sys, shoal.messages, shoal.queue_messages; sys.exit(bool({'torch', 'ray'} & set(sys.modules)))"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 

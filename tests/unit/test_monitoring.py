@@ -12,17 +12,9 @@ import torch
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 
-from shoal.messages import (
-    EVENTS_KEY,
-    STEPS_KEY,
-    DataCount,
-    EventKind,
-    GpuReading,
-    ReportMessage,
-    ReportSummary,
-    StepRecord,
-)
+from shoal.messages import EVENTS_KEY, STEPS_KEY, DataCount, EventKind, GpuReading, ReportSummary, StepRecord
 from shoal.models.cost import trace_cost
+from shoal.queue_messages import ReportMessage
 from shoal.spec.schema import MonitorSpec
 from shoal.tracking.artifacts import plot_run
 from shoal.tracking.mlflow_run import is_unreachable

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from shoal.messages import Event, EventKind, FailureMessage, Metric, ReportMessage, ReportSummary, StepRecord
+from shoal.messages import Event, EventKind, Metric, ReportSummary, StepRecord
+from shoal.queue_messages import FailureMessage, ReportMessage
 from shoal.tracking import Recorder, open_run, resolve_uri
 from shoal.tracking.mlflow_run import flatten
 

@@ -20,7 +20,7 @@ from ray.train import UserCallback
 # own, "so that custom workarounds built on top of internal callbacks work".
 from ray.train.v2._internal.execution.callback import ControllerCallback
 
-from shoal.messages import ControllerMessage, FailureMessage, ReportMessage
+from shoal.queue_messages import ControllerMessage, FailureMessage, ReportMessage
 
 
 def _checkpoint_path(checkpoint: Any) -> str | None:

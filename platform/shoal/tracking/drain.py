@@ -8,7 +8,7 @@ import queue
 import threading
 from typing import Any, Protocol
 
-from shoal.messages import ControllerMessage, ReportMessage, StopMessage, message_from_dict
+from shoal.queue_messages import ControllerMessage, ReportMessage, StopMessage, message_from_dict
 from shoal.tracking.mlflow_run import RETRY_EVERY_S
 from shoal.tracking.recorder import Recorder
 

@@ -13,18 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from shoal.messages import (
-    Event,
-    EventKind,
-    FailureMessage,
-    Metric,
-    ProfileTrace,
-    ReportMessage,
-    ReportSummary,
-    StepRecord,
-    eval_metrics,
-)
+from shoal.messages import Event, EventKind, Metric, ProfileTrace, ReportSummary, StepRecord, eval_metrics
 from shoal.plan.catalog import gpu_for_device
+from shoal.queue_messages import FailureMessage, ReportMessage
 from shoal.tracking.artifacts import PLOTTED, TensorBoard, plot_run, save_trace
 from shoal.tracking.mlflow_run import TrackedRun, ended_tag
 
