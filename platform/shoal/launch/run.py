@@ -308,7 +308,7 @@ def run(
                 tracked.taken_over_from,
             )
         if own_latest and tracked.resumed:  # a newer checkpoint than MLflow has steps for leaves a gap
-            own_latest = _without_gap(storage, run_name, tracked.logged_until) or own_latest
+            own_latest = _without_gap(storage, run_name, tracked.logged_until, own_latest)
         if loaded.data and loaded.data.text and (run_dir / "tokenizer").is_dir():
             tracked.log_artifact(str(run_dir / "tokenizer"), "tokenizer")
         recorder = Recorder(tracked, observer, run_dir, tensorboard=w.monitor.tensorboard)
@@ -347,9 +347,9 @@ def run(
     return result
 
 
-def _without_gap(storage: Storage, run_name: str, logged_until: int) -> str | None:
-    chosen = storage.newest_logged_through(run_name, logged_until)
-    if chosen and chosen != f"{storage.run_uri(run_name)}/{storage.checkpoints(run_name)[-1]}":
+def _without_gap(storage: Storage, run_name: str, logged_until: int, newest: str) -> str:
+    chosen = storage.newest_logged_through(run_name, logged_until) or newest
+    if chosen != newest:
         log.warning(
             "resuming from %s: MLflow has steps up to %d, and a newer checkpoint would leave "
             "the steps between them unlogged; they are trained and logged again",
