@@ -57,7 +57,8 @@ def _trace(rank: int, **where: str) -> ProfileTrace:
 def test_the_module_needs_neither_torch_nor_ray() -> None:
     import subprocess
 
-    code = "import sys, shoal.messages, shoal.queue_messages; sys.exit(bool({'torch', 'ray'} & set(sys.modules)))"
+    imports = "import sys, shoal.messages, shoal.queue_messages"
+    code = f"{imports}; sys.exit(bool({{'torch', 'ray'}} & set(sys.modules)))"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 

@@ -4,7 +4,7 @@
 forwards what workers report into a Ray queue; the driver's `Drainer`
 (tracking/drain.py) empties it, and is the one process that writes MLflow. That
 keeps tracking working when the store is a file on the driver's machine that the
-cluster cannot reach. Messages cross the queue as plain data (shoal/messages.py),
+cluster cannot reach. Messages cross the queue as plain data (shoal/queue_messages.py),
 but for one: `ControllerAnnouncer` sends the controller's own actor handle as it
 starts, so that a driver told to stop can abort training first.
 """

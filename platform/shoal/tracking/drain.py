@@ -39,7 +39,7 @@ class Drainer(threading.Thread):
         self.queue, self.recorder, self.keeper = queue, recorder, keeper
         self.stopping = threading.Event()
         self.errors = 0
-        self.controller: Any = None  # Ray Train's controller actor, once its first report came
+        self.controller: Any = None  # Ray Train's controller actor, announced as it starts
 
     def run(self) -> None:
         while not self.stopping.is_set():
