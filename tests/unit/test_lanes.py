@@ -16,7 +16,7 @@ from shoal.data.epoch_plan import plan_for
 from shoal.data.errors import DataError
 from shoal.data.lanes import lanes_of, slot_micro_batches
 from shoal.data.manifest import Manifest, build_manifest
-from shoal.data.reader import ReadCounts, RowGroupReader, to_tensors
+from shoal.data.reader import ReadCounts, RowGroupReader, Rows, to_tensors
 
 
 def write_dataset(directory: Path, rows: int, per_group: int, files: int, width: int = 8) -> Manifest:
@@ -37,7 +37,7 @@ def read_epoch(manifest: Manifest, plan, slot: int, dp: int, steps=None, counts=
     reader = RowGroupReader(manifest, counts)
     with ThreadPoolExecutor(max_workers=1) as loader:
         read = slot_micro_batches(plan, slot, dp, steps or range(plan.steps), reader, loader)
-        batches = {index: rows.column("id").to_pylist() for index, rows in read}
+        batches = {index: batch["id"].tolist() for index, batch, _ in read}
     reader.close()
     return batches, counts
 
@@ -131,6 +131,21 @@ def test_tensors_keep_numeric_columns_and_their_shapes() -> None:
     batch = to_tensors(table)
     assert sorted(batch) == ["tokens", "y"]
     assert batch["tokens"].shape == (2, 3) and batch["tokens"].tolist() == [[1, 2, 3], [4, 5, 6]]
+
+
+def test_a_column_ragged_in_a_window_is_a_tensor_in_the_micro_batches_whose_rows_agree() -> None:
+    """A window is converted to tensors once; a list column whose lengths differ across the
+    window is converted per micro-batch, as to_tensors of that micro-batch would."""
+    ragged = pa.array([[1, 2], [3, 4], [5], [6]])
+    table = pa.table({"x": ragged, "y": pa.array([0, 1, 2, 3]), "s": list("abcd")})
+    rows = Rows.of(table)
+    first, second, across = rows.take(0, 2), rows.take(2, 2), rows.take(1, 2)
+    assert first["x"].tolist() == [[1, 2], [3, 4]] and second["x"].tolist() == [[5], [6]]
+    assert sorted(first) == ["x", "y"] and second["y"].tolist() == [2, 3]
+    assert sorted(across) == ["y"]  # [3, 4] and [5]: no tensor
+    assert {k: v.tolist() for k, v in to_tensors(table.slice(0, 2)).items()} == {
+        k: v.tolist() for k, v in first.items()
+    }
 
 
 def test_lanes_of_a_slot() -> None:

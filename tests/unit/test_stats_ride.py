@@ -1,4 +1,4 @@
-"""The step's stats riding DDP's last gradient all-reduce (worker/parallel/stats_ride.py)
+"""The step's stats riding DDP's first gradient all-reduce (worker/parallel/stats_ride.py)
 on 2 gloo ranks (torch.multiprocessing, no Ray): the gradients are DDP's own average,
 the stats come back as the float64 sums a separate all-reduce gives, per-rank values
 exact to 48 bits, and where no bucket can carry them they take their own all-reduce."""
@@ -39,7 +39,7 @@ def _rank(rank: int, port: int, dtype: torch.dtype, out: str) -> None:
         model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(dtype)
         reference = [p.detach().clone() for p in model.parameters()]
         ride = StatsRide(WORLD)
-        ddp = DistributedDataParallel(model, bucket_cap_mb=0.0001)  # several buckets: only the last carries
+        ddp = DistributedDataParallel(model, bucket_cap_mb=0.0001)  # several buckets: only the first carries
         ddp.register_comm_hook(ride, ride_hook)
         inputs = torch.randn(2 * WORLD, 8, generator=torch.Generator().manual_seed(1)).to(dtype)
         results = {}
@@ -108,7 +108,7 @@ def test_gradients_are_ddps_average_and_the_stats_arrive_summed(tmp_path: Path, 
         assert loss == pytest.approx(1.5) and written
         assert per_rank == {"addr": [ADDRESS, ADDRESS + 1], "peak_mb": [100.0, 101.0]}
     assert torch.equal(ranks[0]["stats0"], ranks[1]["stats0"])  # every rank decides on the same numbers
-    # fp32: two steps and the StepStats one rode the last bucket; bf16 buckets carried none
+    # fp32: two steps and the StepStats one rode the first bucket; bf16 buckets carried none
     assert [r["carried"] for r in ranks] == ([3, 3] if dtype == torch.float32 else [0, 0])
 
 

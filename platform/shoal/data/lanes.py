@@ -15,11 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NamedTuple
 
 import pyarrow as pa
+import torch
 
 from shoal.data.epoch_plan import EpochPlan, Window
-from shoal.data.reader import RowGroupReader
+from shoal.data.reader import RowGroupReader, Rows
 
 
 def lanes_of(slot: int, dp: int, per_step: int) -> range:
@@ -36,14 +38,21 @@ def slot_micro_batches(
     steps: Iterable[int],
     reader: RowGroupReader,
     loader: ThreadPoolExecutor,
-) -> Iterator[tuple[int, pa.Table]]:
+) -> Iterator[MicroBatch]:
     """Slot `slot`'s micro-batches of optimizer steps `steps` (ascending) of the epoch, step by
-    step: (global micro-batch index, rows in training order). A first step late in the epoch
-    opens the windows that hold it; nothing before them is read."""
+    step, rows in training order. A first step late in the epoch opens the windows that hold
+    it; nothing before them is read."""
     lanes, windows = lanes_of(slot, dp, plan.per_step), LaneWindows(plan, reader, loader)
     for j in steps:
         for lane in lanes:
-            yield lane + plan.per_step * j, windows.micro_batch(lane, j)
+            batch, rows = windows.micro_batch(lane, j)
+            yield MicroBatch(lane + plan.per_step * j, batch, rows)
+
+
+class MicroBatch(NamedTuple):
+    index: int  # global micro-batch index within the epoch
+    tensors: dict[str, torch.Tensor]  # its numeric columns (data/reader.py's Rows)
+    rows: int
 
 
 class LaneWindows:
@@ -52,11 +61,11 @@ class LaneWindows:
 
     def __init__(self, plan: EpochPlan, reader: RowGroupReader, loader: ThreadPoolExecutor):
         self.plan, self.reader, self.loader = plan, reader, loader
-        self.windows: dict[tuple[int, int], Future[pa.Table]] = {}  # (lane, window) -> mixed rows
+        self.windows: dict[tuple[int, int], Future[Rows]] = {}  # (lane, window) -> mixed rows
         self.last_group: dict[int, tuple[int, pa.Table]] = {}  # per lane: the group read last
 
-    def micro_batch(self, lane: int, j: int) -> pa.Table:
-        """The rows of lane `lane`'s `j`-th micro-batch, in training order."""
+    def micro_batch(self, lane: int, j: int) -> tuple[dict[str, torch.Tensor], int]:
+        """Lane `lane`'s `j`-th micro-batch, in training order: its tensors and row count."""
         k = self.plan.window_of(lane, j)
         rows = self._window(lane, k).result()
         if k + 1 < self.plan.windows_in_lane():
@@ -64,18 +73,19 @@ class LaneWindows:
         for stale in [key for key in self.windows if key[0] == lane and key[1] < k]:
             del self.windows[stale]
         start = j * self.plan.micro - k * self.plan.window
-        return rows.slice(start, self.plan.micro)
+        length = max(0, min(self.plan.micro, rows.count - start))
+        return rows.take(start, length), length
 
-    def _window(self, lane: int, k: int) -> Future[pa.Table]:
+    def _window(self, lane: int, k: int) -> Future[Rows]:
         if (lane, k) not in self.windows:
             self.windows[(lane, k)] = self.loader.submit(self._read, self.plan.lane_window(lane, k))
         return self.windows[(lane, k)]
 
-    def _read(self, window: Window) -> pa.Table:
-        """A window's rows, mixed (on the loader thread)."""
+    def _read(self, window: Window) -> Rows:
+        """A window's rows, mixed, as tensors (on the loader thread)."""
         parts = [self._group(window.lane, p.group).slice(p.start, p.stop - p.start) for p in window.pieces]
         rows = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
-        return rows.take(pa.array(window.mix, type=pa.int64()))
+        return Rows.of(rows.take(pa.array(window.mix, type=pa.int64())))
 
     def _group(self, lane: int, group: int) -> pa.Table:
         cached = self.last_group.get(lane)

@@ -75,6 +75,7 @@ class Engine:
             for part in parts
         ]
         self.pipeline = self._pipeline(indices) if self.dims.pp > 1 else None
+        self.params_by_mesh = params_by_mesh(self.parts)
         self.stats_ride = self._stats_ride(world)
         self.optimizers = [build_optimizer(part, train.optimizer) for part in self.parts]
         self.schedulers = [build_scheduler(o, total_steps, train.schedule) for o in self.optimizers]
@@ -100,7 +101,7 @@ class Engine:
         return [stage_module(model, i, num_stages) for i in indices], indices
 
     def _stats_ride(self, world: int) -> StatsRide | None:
-        """On CPU, plain DDP's last gradient all-reduce carries the step's stats (the
+        """On CPU, plain DDP's first gradient all-reduce carries the step's stats (the
         loop's StepStats): one collective a step instead of two. GPUs read the loss only
         after the backward pass, too late to ride it."""
         part = self.parts[0]
@@ -226,7 +227,7 @@ class Engine:
     def optimizer_step(self) -> None:
         self.precision.unscale(self.optimizers)
         clip = self.workload.train.clip_grad_norm
-        self.last_grad_norm = clip_grad_norm(self.parts, clip, self.mesh, self.dims)
+        self.last_grad_norm = clip_grad_norm(self.params_by_mesh, clip, self.mesh, self.dims)
         self.precision.step(self.optimizers)
         for scheduler in self.schedulers:
             scheduler.step()
@@ -281,15 +282,27 @@ class Engine:
         }
 
 
-def clip_grad_norm(parts: list[nn.Module], max_norm: float | None, mesh: Any, dims: ParallelDims) -> float:
-    """Global gradient norm over every rank's shard (and every pipeline stage); clips if asked."""
-    grads = [p.grad for part in parts for p in part.parameters() if p.grad is not None]
-    by_mesh: dict[Any, list[torch.Tensor]] = {}
-    for grad in grads:
-        by_mesh.setdefault(getattr(grad, "device_mesh", None), []).append(grad)
+def params_by_mesh(parts: list[nn.Module]) -> dict[Any, list[nn.Parameter]]:
+    """The parts' parameters by device mesh (None: plain tensors), listed once: listing them
+    walks every module, a fifth of a millisecond a step on a small model."""
+    groups: dict[Any, list[nn.Parameter]] = {}
+    for part in parts:
+        for param in part.parameters():
+            groups.setdefault(getattr(param, "device_mesh", None), []).append(param)
+    return groups
+
+
+def clip_grad_norm(
+    params: dict[Any, list[nn.Parameter]], max_norm: float | None, mesh: Any, dims: ParallelDims
+) -> float:
+    """Global gradient norm over every rank's shard (and every pipeline stage) of the
+    parameters grouped by mesh (`params_by_mesh`); clips if asked."""
+    by_mesh = {m: [p.grad for p in group if p.grad is not None] for m, group in params.items()}
     squared = torch.zeros((), dtype=torch.float64)
-    for group_mesh, tensors in by_mesh.items():
-        norm = torch.nn.utils.get_total_norm(tensors)
+    for group_mesh, grads in by_mesh.items():
+        if not grads:
+            continue
+        norm = torch.nn.utils.get_total_norm(grads)
         if group_mesh is not None:
             norm = norm.full_tensor()
         squared += norm.double().cpu() ** 2
@@ -298,6 +311,7 @@ def clip_grad_norm(parts: list[nn.Module], max_norm: float | None, mesh: Any, di
     total = math.sqrt(squared.item())
     if max_norm is not None and total > max_norm:
         coefficient = max_norm / (total + 1e-6)
-        for grad in grads:
-            grad.mul_(coefficient)
+        for grads in by_mesh.values():
+            if grads:
+                torch._foreach_mul_(grads, coefficient)  # one call per mesh, as torch's own clipping
     return total

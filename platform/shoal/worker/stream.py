@@ -24,7 +24,7 @@ from shoal.data.epoch_plan import EpochPlan, plan_for
 from shoal.data.errors import DataError
 from shoal.data.lanes import slot_micro_batches
 from shoal.data.manifest import Manifest
-from shoal.data.reader import ReadCounts, RowGroupReader, to_tensors
+from shoal.data.reader import ReadCounts, RowGroupReader
 from shoal.worker.checkpoint.state import Position
 
 T = TypeVar("T")
@@ -83,9 +83,9 @@ def micro_batches(
                 if (epoch, j) not in plan.skipped_steps
             ]
             read = slot_micro_batches(epoch_plan, plan.rank, plan.world, steps, reader, loader)
-            for index, rows in read:
-                counts.rows_trained += rows.num_rows
-                yield Item(epoch, index, to_tensors(rows), index // plan.per_step == epoch_plan.steps - 1)
+            for index, batch, rows in read:
+                counts.rows_trained += rows
+                yield Item(epoch, index, batch, index // plan.per_step == epoch_plan.steps - 1)
             epoch, consumed = epoch + 1, 0
 
 
