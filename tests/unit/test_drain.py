@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from shoal.launch.interrupts import Interrupted, fit_interruptibly
 from shoal.messages import Event, EventKind, ReportSummary, StepRecord
 from shoal.queue_messages import ControllerMessage, FailureMessage, QueueMessage, ReportMessage
 from shoal.tracking import drain
@@ -136,8 +137,6 @@ def test_a_queue_gone_with_the_cluster_is_one_line_not_a_traceback(caplog: pytes
 
 
 def test_a_sigterm_while_training_is_named_as_the_reason() -> None:
-    from shoal.launch.run import Interrupted, fit_interruptibly  # imports Ray: only this test
-
     class SignalledTrainer:
         def fit(self) -> None:
             os.kill(os.getpid(), signal.SIGTERM)  # as scancel or `kill` would

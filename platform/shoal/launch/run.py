@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
-import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -18,6 +16,7 @@ from shoal.data import keep_run_tokenizer, training_manifest, validation_manifes
 from shoal.data.manifest import Manifest, coarse_row_groups
 from shoal.errors import ShoalError
 from shoal.launch.cluster import QUIET_ENV, ClusterError, quiet_ray_logging, ray_session
+from shoal.launch.interrupts import Interrupted, fit_interruptibly, signals_reach_here
 from shoal.launch.retention import BestKeeper
 from shoal.launch.storage import Storage, open_storage, probe
 from shoal.messages import EventKind, Metric
@@ -25,7 +24,7 @@ from shoal.redact import without_credentials_data
 from shoal.spec import LoadedWorkload
 from shoal.tracking import Observer, Recorder, open_run, resolve_uri
 from shoal.tracking.drain import Drainer
-from shoal.tracking.driver_watch import DriverWatch, stop_reason
+from shoal.tracking.driver_watch import DriverWatch
 from shoal.tracking.mlflow_run import CWD_TAG, git_commit
 from shoal.worker.batching import global_batch_size
 from shoal.worker.config import WorkerConfig
@@ -78,52 +77,6 @@ class RunResult:
     @property
     def ok(self) -> bool:
         return self.status == "FINISHED"
-
-
-class Interrupted(KeyboardInterrupt):
-    """Ctrl-C or a SIGTERM (`scancel`, `kill`, a stopped Ray job) while training."""
-
-    def __init__(self, signum: signal.Signals):
-        super().__init__(signum)
-        self.reason = stop_reason(signum)
-
-
-def signals_reach_here() -> bool:
-    """Python runs signal handlers on the main thread only (a sweep's trials run on others)."""
-    return threading.current_thread() is threading.main_thread()
-
-
-def fit_interruptibly(trainer: Any) -> None:
-    """`trainer.fit()` in a helper thread, so that Ctrl-C and SIGTERM reach shoal.
-
-    Called on the main thread, Ray Train installs its own SIGINT handler, which
-    aborts the run and exits the process before shoal can record it as KILLED.
-    """
-    outcome: dict[str, BaseException] = {}
-
-    def target() -> None:
-        try:
-            trainer.fit()
-        except BaseException as exc:  # handed to the main thread below
-            outcome["error"] = exc
-
-    def on_signal(signum: int, frame: Any) -> None:
-        raise Interrupted(signal.Signals(signum))
-
-    if not signals_reach_here():
-        trainer.fit()  # signals belong to whoever owns the main thread
-        return
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        fitting = threading.Thread(target=target, name="shoal-fit", daemon=True)
-        fitting.start()
-        while fitting.is_alive():
-            fitting.join(timeout=0.5)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    if "error" in outcome:
-        raise outcome["error"]
 
 
 def ray_job_tags() -> dict[str, str]:
