@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import statistics
@@ -142,6 +143,15 @@ def commit_ab(saved: dict[str, Any]) -> list[str]:
     ]
 
 
+def to_torchrun(run: dict[str, Any], torchrun: dict[str, Any]) -> float:
+    """A contender's steady tokens/s over torchrun's: over the geometric mean of the torchrun
+    runs just before and after it (bench/run.py's bracket), or, in results from before the
+    bracket, over its repetition's one torchrun run."""
+    around = run.get("torchrun_around")
+    reference = math.sqrt(around[0] * around[1]) if around else torchrun["tokens_per_s"]
+    return run["tokens_per_s"] / reference
+
+
 def three_way(runs: dict[str, dict[str, list[dict]]]) -> list[str]:
     lines = [
         "## shoal vs torchrun vs bare Ray Train",
@@ -160,7 +170,15 @@ def three_way(runs: dict[str, dict[str, list[dict]]]) -> list[str]:
             )
     lines += [
         "",
-        "Ratios, pair by pair within each repetition:",
+        "Ratios, pair by pair within each repetition"
+        + (
+            ": each contender ran between two torchrun runs, and its steady tokens/s is divided by "
+            "their geometric mean (the host's speed drifted between runs minutes apart; the bracket "
+            "cancels a steady drift); shoal/bare Ray is the ratio of the two contenders' ratios to "
+            "their brackets:"
+            if "torchrun_around" in runs["fp32"]["shoal"][0]
+            else ":"
+        ),
         "",
         f"| precision | steady tokens/s shoal/torchrun (target >= {TARGET_STEADY}) | steady tokens/s "
         f"shoal/bare Ray | first step shoal/bare Ray (target <= {TARGET_FIRST_STEP}) |"
@@ -170,15 +188,12 @@ def three_way(runs: dict[str, dict[str, list[dict]]]) -> list[str]:
     for precision in ("fp32", "bf16"):
         by = runs[precision]
         pairs = list(zip(by["shoal"], by["torchrun"], by["ray"], strict=True))
-        steady = [s["tokens_per_s"] / t["tokens_per_s"] for s, t, _ in pairs]
-        steady_ray = [s["tokens_per_s"] / r["tokens_per_s"] for s, _, r in pairs]
+        steady = [to_torchrun(s, t) for s, t, _ in pairs]
+        steady_ray = [to_torchrun(s, t) / to_torchrun(r, t) for s, t, r in pairs]
         first = [s["first_step_s"] / r["first_step_s"] for s, _, r in pairs]
         kernel_cell = ""
         if kernel_ab:
-            same = [
-                s["tokens_per_s"] / t["tokens_per_s"]
-                for s, t in zip(by["shoal-for-loop"], by["torchrun"], strict=True)
-            ]
+            same = [to_torchrun(s, t) for s, t in zip(by["shoal-for-loop"], by["torchrun"], strict=True)]
             kernel_cell = f" {summarise(same)} |"
         lines.append(
             f"| {precision} | {verdict(steady, TARGET_STEADY, True)} | {summarise(steady_ray)} | "

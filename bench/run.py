@@ -1,9 +1,10 @@
 """`make bench`: shoal vs torchrun vs bare Ray Train, written to BENCHMARKS.md.
 
-Each repetition runs the three contenders back to back (order rotated between
-repetitions); ratios are taken pair by pair within a repetition, then the median
-and min-max over repetitions are reported. Absolute numbers on a 2-core machine
-are noisy; the ratios are the point.
+Each repetition runs the contenders back to back (order rotated between
+repetitions), torchrun before the first and again after each, so that every
+contender's ratio to torchrun is taken against the runs just around it; ratios are
+taken within a repetition, then the median and min-max over repetitions are
+reported. Absolute numbers on a 2-core machine are noisy; the ratios are the point.
 """
 
 from __future__ import annotations
@@ -159,19 +160,28 @@ def measure(args: argparse.Namespace) -> None:
     }
     results["began"], runs = time.time(), results.setdefault("runs", {})
 
-    def record(precision: str, name: str, tag: str, address: str = "") -> None:
+    def record(precision: str, name: str, tag: str, address: str = "", keep: bool = True) -> dict[str, Any]:
         result = run_one(name, precision, args.steps, Path(tmp), tag, address)
-        runs.setdefault(precision, {}).setdefault(name, []).append(result)
+        if keep:
+            runs.setdefault(precision, {}).setdefault(name, []).append(result)
         shown = {k: round(v, 4) for k, v in result.items() if isinstance(v, float)}
         print(f"{precision} {tag} {name}: {shown}", flush=True)
         Path(args.results).write_text(json.dumps(results, indent=1))
+        return result
 
-    names = ["torchrun", "ray", "shoal", "shoal-for-loop"]
+    # The host's speed drifts (torchrun alone varied 2,418-3,425 tokens/s over 20 minutes here):
+    # each contender runs between two torchrun runs, its reference (report.py's `to_torchrun`).
+    names = ["ray", "shoal", "shoal-for-loop"]
     with tempfile.TemporaryDirectory(prefix="shoal-bench-") as tmp:
         for precision in ("fp32", "bf16"):
             for repeat in range(args.repeats):
+                before = record(precision, "torchrun", f"r{repeat}")["tokens_per_s"]
                 for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
-                    record(precision, name, f"r{repeat}")
+                    result = record(precision, name, f"r{repeat}")
+                    after = record(precision, "torchrun", f"r{repeat}-after-{name}", keep=False)
+                    result["torchrun_around"] = [before, after["tokens_per_s"]]
+                    before = after["tokens_per_s"]
+                    Path(args.results).write_text(json.dumps(results, indent=1))
                 if precision == "fp32":  # paired with this repetition's single-node shoal
                     with three_node_cluster() as address:
                         record(precision, "shoal-3-nodes", f"r{repeat}", address)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from bench.cpu_share import TICKS_PER_S, CpuSampler, others, trainer_cores
-from bench.report import render, verdict
+from bench.report import render, to_torchrun, verdict
 
 
 def test_shares_count_each_process_over_the_window_only():
@@ -83,6 +83,28 @@ def test_the_kernel_ab_gets_its_own_row_and_ratio_to_torchrun():
     assert "| fp32 | shoal-for-loop | 1,805 (1,800-1,890) |" in text
     ratios = "| fp32 | 1 (0.952-1.05) meets >= 0.95 | 1.11 (1.11-1.11) | 1.1 (1.1-1.1) meets <= 1.2 |"
     assert ratios + " 0.9 (0.9-0.95) |" in text
+
+
+def test_a_bracketed_contender_is_compared_with_the_torchrun_runs_around_it():
+    """The host slowed between the repetition's first torchrun (2,000) and shoal's run: shoal
+    is held against the geometric mean of the runs before and after it (1,000 and 4,000)."""
+    bracketed = {**run(1800, 22, data_wait_share=0.001), "torchrun_around": [1000.0, 4000.0]}
+    by_name = {
+        "torchrun": [run(2000, 5)] * 3,
+        "ray": [{**run(1000, 20), "torchrun_around": [1000.0, 1000.0]}] * 3,
+        "shoal": [bracketed] * 3,
+        "shoal-for-loop": [{**run(1900, 22), "torchrun_around": [2000.0, 2000.0]}] * 3,
+        "shoal-3-nodes": [run(1700, 21)] * 3,
+        "shoal-1-worker": [run(1500, 19)] * 3,
+        "data": [{"rows_per_s": 3000.0}] * 3,
+    }
+    assert to_torchrun(bracketed, run(2000, 5)) == 0.9
+    assert to_torchrun(run(1800, 22), run(2000, 5)) == 0.9  # no bracket: the repetition's torchrun
+    results = {"machine": "m", "steps": 20, "repeats": 3, "began": 0.0, "ended": 960.0}
+    text = render({**results, "runs": {"fp32": by_name, "bf16": by_name}})
+    ratios = "| fp32 | 0.9 (0.9-0.9) short of >= 0.95 | 0.9 (0.9-0.9) | 1.1 (1.1-1.1) meets <= 1.2 |"
+    assert ratios + " 0.95 (0.95-0.95) |" in text
+    assert "each contender ran between two torchrun runs" in text
 
 
 def test_control_plane_rows_pair_shoal_with_bare_ray_train_per_repetition():
