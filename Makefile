@@ -35,7 +35,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/data_plane.py --repeats 3
 	$(BIN)/python bench/val_parity.py --seeds 3
 	$(BIN)/python bench/telemetry.py --repeats 3
-	$(BIN)/python bench/control_plane.py --repeats 3
+	$(BIN)/python bench/control_plane.py --repeats 5
 	$(BIN)/python bench/levers.py --repeats 3
 	$(BIN)/python bench/ray_idle.py --repeats 3
 	$(BIN)/python bench/run.py --repeats 3
